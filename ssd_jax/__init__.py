@@ -1,0 +1,29 @@
+"""ssd_jax: fast, exact LLM decoding by speculation (AR, SD and SSD/Saguaro) in JAX.
+
+    from ssd_jax import load_model, generate, SamplingParams, SpecConfig
+    model = load_model("qwen2.5-coder-1.5b-instruct")
+    res = generate(model, ["def fib(n):"], SamplingParams(max_new_tokens=32))
+    print(res.outputs[0]["text"], res.metrics["tokens_per_s"])
+"""
+
+from ssd_jax.engine import GenerationResult, generate
+from ssd_jax.errors import UserError
+from ssd_jax.sampling import SamplingParams
+from ssd_jax.spec import SpecConfig
+
+__all__ = ["GenerationResult", "SamplingParams", "SpecConfig", "UserError", "generate", "load_model"]
+__version__ = "0.1.0"
+
+
+def default_dtype() -> str:
+    """float32 on CPU (bf16 matmuls are several times slower there), bfloat16 on accelerators."""
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_model(name_or_path, dtype: str | None = None, **kw):
+    """Load a registry name, .gguf file, Hugging Face directory or converted cache directory."""
+    from ssd_jax.loading import load_model as _load
+
+    return _load(name_or_path, dtype=dtype or default_dtype(), **kw)

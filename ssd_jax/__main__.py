@@ -1,0 +1,5 @@
+import sys
+
+from ssd_jax.decode import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""Llama / Qwen2 decoder forward pass over an explicit parameter pytree and KV cache.
+
+One function, :func:`forward`, serves every use:
+
+* prefill      - T prompt tokens per row (right-padded; padding is written but never read),
+* decode       - T = 1,
+* verification - T = K + 1 tokens appended at each row's own offset,
+* tree decode  - arbitrary RoPE positions, cache slots and attention mask (SSD branches).
+
+The KV cache is static-shape, ``(B, S, KVH, hd)`` per layer, with a length per row. New
+keys and values are scattered into slots ``lengths[b] + t`` (out-of-range writes are
+dropped, never clamped); a query at slot ``s`` sees slots ``<= s``. Rolling back rejected
+speculative tokens is just resetting a row's length: stale slots beyond the length are
+overwritten before anything can attend to them.
+
+Normalisation, softmax and logits are computed in float32 whatever the weight dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.params import Params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer key/value buffers ``(B, S, KVH, hd)`` plus the valid length of each row."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+    lengths: jax.Array  # (B,) int32
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def with_lengths(self, lengths: jax.Array) -> KVCache:
+        return KVCache(self.k, self.v, lengths.astype(jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    dtype = dtype or cfg.jnp_dtype
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies, with Llama-3 frequency-dependent scaling if configured."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+    scaled = jnp.where(wavelen > low_wl, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return jnp.where(medium, blended, scaled)
+
+
+def apply_rope(x_BxTxNxh: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention)."""
+    ang = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # (B, T, hd/2)
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x = x_BxTxNxh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxh.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def causal_slot_mask(slots_BxT: jax.Array, max_len: int) -> jax.Array:
+    """Default mask: a query written at slot s sees every cache slot <= s."""
+    return jnp.arange(max_len)[None, None, :] <= slots_BxT[:, :, None]
+
+
+def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_cache, inv_freq):
+    B, T, _ = x.shape
+    H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = jnp.einsum("btd,dnh->btnh", x, layer["wq"])
+    k = jnp.einsum("btd,dnh->btnh", x, layer["wk"])
+    v = jnp.einsum("btd,dnh->btnh", x, layer["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
+    G = H // KVH
+    q = q.reshape(B, T, KVH, G, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(B, T, H, hd)
+    return jnp.einsum("btnh,nhd->btd", out, layer["wo"]), k_cache, v_cache
+
+
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens_BxT: jax.Array,
+    cache: KVCache,
+    *,
+    positions_BxT: jax.Array | None = None,
+    slots_BxT: jax.Array | None = None,
+    mask_BxTxS: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run the decoder over T new tokens per row; returns final hidden states and the cache.
+
+    By default token t of row b goes to slot ``cache.lengths[b] + t`` with that RoPE
+    position and a causal mask. The returned cache has the new keys/values written but the
+    SAME lengths: callers decide how many of the T tokens to keep (see KVCache.with_lengths).
+    """
+    B, T = tokens_BxT.shape
+    if slots_BxT is None:
+        slots_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    if positions_BxT is None:
+        positions_BxT = slots_BxT
+    if mask_BxTxS is None:
+        mask_BxTxS = causal_slot_mask(slots_BxT, cache.max_len)
+    inv_freq = rope_inv_freq(cfg)
+    x = params["embed"][tokens_BxT].astype(cfg.jnp_dtype)
+    new_k, new_v = [], []
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+        a, kc, vc = _attention(layer, cfg, h, positions_BxT, slots_BxT, mask_BxTxS, cache.k[i], cache.v[i], inv_freq)
+        new_k.append(kc)
+        new_v.append(vc)
+        x = x + a
+        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+        g = jnp.dot(h, layer["w_gate"])
+        u = jnp.dot(h, layer["w_up"])
+        x = x + jnp.dot(jax.nn.silu(g) * u, layer["w_down"])
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return x, KVCache(new_k, new_v, cache.lengths)
+
+
+def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Output head in float32: ``(..., D) -> (..., V)``."""
+    if cfg.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,130 @@
+"""Weight declarations: every parameter is declared once with its shape and logical axes.
+
+From :func:`param_specs` come the random initialisation (tests, training), the abstract
+shapes, the shardings (``ssd_jax.sharding``) and the checks the loaders run on converted
+weights. The parameter pytree is::
+
+    {"embed": (V, D),
+     "layers": [ {"attn_norm": (D,), "wq": (D, H, hd), "wk": (D, KVH, hd), "wv": (D, KVH, hd),
+                  ["bq": (H, hd), "bk": (KVH, hd), "bv": (KVH, hd)],
+                  "wo": (H, hd, D), "mlp_norm": (D,),
+                  "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}, ... ],
+     "final_norm": (D,),
+     ["lm_head": (D, V)]}          # absent when embeddings are tied
+
+Matrices are stored (in, out) so that activations multiply from the left. Layers are a
+Python list of per-layer dicts: on CPU the unrolled loop is markedly faster per decode
+step than ``lax.scan`` over stacked weights (REFERENCE §6).
+
+Flat names ("layers.3.wq") are used on disk and by the loaders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+# logical axis names, mapped to mesh axes in ssd_jax.sharding
+EMBED, VOCAB, HEADS, KV_HEADS, HEAD_DIM, MLP = "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"
+
+
+def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    D, H, KVH, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    s = {
+        "attn_norm": ((D,), (None,)),
+        "wq": ((D, H, hd), (EMBED, HEADS, HEAD_DIM)),
+        "wk": ((D, KVH, hd), (EMBED, KV_HEADS, HEAD_DIM)),
+        "wv": ((D, KVH, hd), (EMBED, KV_HEADS, HEAD_DIM)),
+        "wo": ((H, hd, D), (HEADS, HEAD_DIM, EMBED)),
+        "mlp_norm": ((D,), (None,)),
+        "w_gate": ((D, F), (EMBED, MLP)),
+        "w_up": ((D, F), (EMBED, MLP)),
+        "w_down": ((F, D), (MLP, EMBED)),
+    }
+    if cfg.qkv_bias:
+        s["bq"] = ((H, hd), (HEADS, HEAD_DIM))
+        s["bk"] = ((KVH, hd), (KV_HEADS, HEAD_DIM))
+        s["bv"] = ((KVH, hd), (KV_HEADS, HEAD_DIM))
+    return s
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Flat name -> (shape, logical axes) for every parameter of ``cfg``."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    specs = {"embed": ((V, D), (VOCAB, EMBED)), "final_norm": ((D,), (None,))}
+    if not cfg.tie_embeddings:
+        specs["lm_head"] = ((D, V), (EMBED, VOCAB))
+    for i in range(cfg.num_layers):
+        for k, v in layer_specs(cfg).items():
+            specs[f"layers.{i}.{k}"] = v
+    return specs
+
+
+def unflatten(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
+    """Flat name -> array dict into the nested parameter pytree."""
+    p: Params = {"embed": flat["embed"], "final_norm": flat["final_norm"], "layers": []}
+    if not cfg.tie_embeddings:
+        p["lm_head"] = flat["lm_head"]
+    for i in range(cfg.num_layers):
+        p["layers"].append({k: flat[f"layers.{i}.{k}"] for k in layer_specs(cfg)})
+    return p
+
+
+def flatten(params: Params) -> dict[str, Any]:
+    flat = {k: v for k, v in params.items() if k != "layers"}
+    for i, layer in enumerate(params["layers"]):
+        for k, v in layer.items():
+            flat[f"layers.{i}.{k}"] = v
+    return flat
+
+
+def check_flat(cfg: ModelConfig, flat: dict[str, Any]) -> None:
+    """Raise ValueError if ``flat`` does not match the declaration of ``cfg``."""
+    specs = param_specs(cfg)
+    missing = sorted(set(specs) - set(flat))
+    extra = sorted(set(flat) - set(specs))
+    if missing or extra:
+        raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, (shape, _) in specs.items():
+        if tuple(flat[name].shape) != tuple(shape):
+            raise ValueError(f"weight {name} has shape {tuple(flat[name].shape)}, expected {shape}")
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Params:
+    """Random parameters (tests, training from scratch): N(0, scale) matrices, unit norms.
+
+    Drawn with numpy from an integer seed: deterministic, and free of the compile time that
+    dozens of differently shaped ``jax.random`` calls would cost.
+    """
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, (shape, _) in sorted(param_specs(cfg).items()):
+        if name.endswith("norm"):
+            flat[name] = jnp.ones(shape, cfg.jnp_dtype)
+        else:
+            flat[name] = jnp.asarray((scale * rng.standard_normal(shape, dtype=np.float32)), cfg.jnp_dtype)
+    return unflatten(cfg, flat)
+
+
+def count_params(cfg: ModelConfig, include_embeddings: bool = True) -> int:
+    n = 0
+    for name, (shape, _) in param_specs(cfg).items():
+        if not include_embeddings and name in ("embed", "lm_head"):
+            continue
+        n += int(np.prod(shape))
+    return n
+
+
+def weight_bytes_per_token(cfg: ModelConfig, bytes_per_param: int = 4) -> int:
+    """Bytes of weights read per decode step (the embedding row read is negligible)."""
+    n = count_params(cfg) - cfg.vocab_size * cfg.hidden_size  # embedding: one row per token
+    if cfg.tie_embeddings:
+        n += cfg.vocab_size * cfg.hidden_size  # but the tied head reads all of it
+    return n * bytes_per_param

@@ -1,0 +1,94 @@
+"""Ahead-of-time compiled model steps with static shapes.
+
+Every device step of the engine (prefill, one-token decode, later draft and verify
+rounds) is one jitted function of a frozen config. :class:`Compiled` lowers and compiles
+it explicitly the first time a new set of argument shapes is seen, records how long that
+took (reported as ``compile_s``), and afterwards calls the executable directly, so that a
+generation loop can never recompile behind the user's back.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from ssd_jax.models import llama
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.llama import KVCache
+from ssd_jax.models.params import Params
+from ssd_jax.sampling import RowSampling, sample
+
+
+def _leaf_key(x):
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, x.sharding)
+    if hasattr(x, "shape"):
+        return (tuple(x.shape), str(x.dtype))
+    return (type(x), x)
+
+
+class Compiled:
+    """A jitted function compiled ahead of time once per argument signature."""
+
+    def __init__(self, fn: Callable, *, donate_argnums: tuple[int, ...] = (), name: str = ""):
+        self.name = name or getattr(fn, "__name__", "fn")
+        self._jit = jax.jit(fn, donate_argnums=donate_argnums)
+        self._exe: dict[Any, Any] = {}
+        self.compile_s = 0.0
+        self.compiles = 0
+
+    def _key(self, args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        return tree, tuple(_leaf_key(x) for x in leaves)
+
+    def precompile(self, *args) -> float:
+        """Compile for ``args``' signature if needed; returns the seconds spent compiling."""
+        key = self._key(args)
+        if key in self._exe:
+            return 0.0
+        t = time.perf_counter()
+        self._exe[key] = self._jit.lower(*args).compile()
+        dt = time.perf_counter() - t
+        self.compile_s += dt
+        self.compiles += 1
+        return dt
+
+    def __call__(self, *args):
+        key = self._key(args)
+        exe = self._exe.get(key)
+        if exe is None:
+            self.precompile(*args)
+            exe = self._exe[key]
+        return exe(*args)
+
+
+# --- the AR steps ---------------------------------------------------------------------
+
+
+def prefill_step(params: Params, cache: KVCache, tokens_BxT, n_valid_B, key, rs: RowSampling, *, cfg, needs_filter):
+    """Write right-padded prompts into the cache; sample each row's first new token."""
+    h, cache = llama.forward(params, cfg, tokens_BxT, cache)
+    last = jnp.take_along_axis(h, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
+    lg = llama.logits(params, cfg, last)
+    tok = sample(key, lg, rs, needs_filter)
+    return tok, cache.with_lengths(cache.lengths + n_valid_B)
+
+
+def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSampling, *, cfg, needs_filter):
+    """Append one token per row and sample the next one."""
+    h, cache = llama.forward(params, cfg, tokens_B[:, None], cache)
+    lg = llama.logits(params, cfg, h[:, 0])
+    tok = sample(jax.random.fold_in(key, step), lg, rs, needs_filter)
+    return tok, cache.with_lengths(cache.lengths + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def ar_steps(cfg: ModelConfig, needs_filter: bool) -> tuple[Compiled, Compiled]:
+    """The (prefill, decode) pair for a config; cached so repeated generate() calls reuse executables."""
+    pre = Compiled(functools.partial(prefill_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="prefill")
+    dec = Compiled(functools.partial(decode_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="decode")
+    return pre, dec

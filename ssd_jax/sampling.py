@@ -1,0 +1,122 @@
+"""Sampling: temperature, top-k, top-p and greedy, per row, in float32.
+
+:func:`filter_logprobs` turns raw logits into the log-probabilities that are actually sampled
+from. Speculative verification must apply the SAME transform to target and draft logits
+(exactness depends on it), so every sampler in the project goes through this one function.
+
+Conventions (those of Hugging Face ``generate`` and vLLM):
+* temperature 0 means greedy (argmax, ties broken towards the lowest token id);
+* top_k 0 disables top-k; top_p 1.0 disables top-p;
+* top-k is applied first, then top-p on the renormalised top-k distribution; a token is
+  kept if the probability mass strictly before it (in descending order) is < top_p, so the
+  most likely token is always kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax.errors import UserError
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. Defaults are greedy decoding (as in Hugging Face ``generate``).
+
+    Attributes:
+      temperature: 0 for greedy; > 0 divides the logits.
+      top_k: keep the k most likely tokens (0 = all).
+      top_p: nucleus sampling mass in (0, 1] (1 = all).
+      seed: PRNG seed; a fixed seed reproduces the output exactly.
+      max_new_tokens: generation budget per sequence.
+      stop: stop strings; generation of a row ends when its text contains one (the text is
+        cut before it, the token ids keep the token that completed it).
+      ignore_eos: keep generating after an end-of-sequence token.
+      n: samples per prompt, run as one batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    def validate(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise UserError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowSampling:
+    """Per-row sampling parameters as device arrays (so they never trigger recompiles)."""
+
+    temperature: jax.Array  # (B,) float32, 0 = greedy
+    top_k: jax.Array  # (B,) int32, 0 = off
+    top_p: jax.Array  # (B,) float32, 1 = off
+
+    @classmethod
+    def broadcast(cls, sp: SamplingParams, batch: int) -> RowSampling:
+        return cls(
+            temperature=jnp.full((batch,), sp.temperature, jnp.float32),
+            top_k=jnp.full((batch,), sp.top_k, jnp.int32),
+            top_p=jnp.full((batch,), sp.top_p, jnp.float32),
+        )
+
+
+def filter_logprobs(logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) -> jax.Array:
+    """Log-probabilities after temperature, top-k and top-p (float32, -inf outside support).
+
+    Greedy rows (temperature 0) get the logits at temperature 1; callers take the argmax.
+    ``needs_filter`` is static: when no row uses top-k/top-p the sort is skipped.
+    Works on ``(B, V)`` or ``(B, ..., V)`` logits (row parameters broadcast over the middle).
+    """
+    x = logits_BxV.astype(jnp.float32)
+    extra = x.ndim - 2
+    expand = (slice(None),) + (None,) * extra
+    temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)[expand][..., None]
+    x = x / temp
+    if needs_filter:
+        V = x.shape[-1]
+        order = jnp.argsort(-x, axis=-1, stable=True)
+        xs = jnp.take_along_axis(x, order, axis=-1)
+        rank = jnp.arange(V)
+        k = rs.top_k[expand][..., None]
+        keep = (k <= 0) | (rank < k)
+        xs = jnp.where(keep, xs, NEG_INF)
+        ps = jax.nn.softmax(xs, axis=-1)
+        mass_before = jnp.cumsum(ps, axis=-1) - ps
+        keep = keep & (mass_before < rs.top_p[expand][..., None])
+        keep_orig = jnp.zeros_like(keep)
+        keep_orig = jnp.put_along_axis(keep_orig, order, keep, axis=-1, inplace=False)
+        x = jnp.where(keep_orig, x, NEG_INF)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample(key: jax.Array, logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) -> jax.Array:
+    """One token per row: argmax for greedy rows, a draw from the filtered distribution otherwise."""
+    greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    lp = filter_logprobs(logits_BxV, rs, needs_filter)
+    drawn = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
+    return jnp.where(rs.temperature > 0, drawn, greedy)

@@ -1,0 +1,60 @@
+"""The speculative-decoding configuration, spelled the way serving engines spell it.
+
+``SpecConfig`` is the ``spec`` argument of :func:`ssd_jax.generate` and the source of the
+CLI flags ``--method --draft --k --prompt-lookup-min/max`` (SD) and ``--fan-out
+--fan-out-budget --saguaro-c --backup --draft-devices --target-devices`` (SSD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ssd_jax.errors import UserError
+
+METHODS = ("ar", "sd", "ssd")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate.
+
+    Attributes:
+      method: "ar" (no speculation), "sd" (draft + verify) or "ssd" (speculative speculative).
+      draft: a draft model name or path, "ngram", "random", or a loaded model object.
+      k: speculative tokens per round (vLLM's num_speculative_tokens).
+      prompt_lookup_min / prompt_lookup_max: n-gram sizes for the n-gram drafter.
+      fan_out: SSD fan-out, an int (uniform) or "geometric".
+      fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs).
+      saguaro_c: Saguaro down-weighting of cached tokens in the draft distribution (1 = off).
+      backup: SSD cache-miss fallback: "neural", "ngram", "random" or "auto".
+      target_devices / draft_devices: mesh sizes (None = automatic).
+    """
+
+    method: str = "ar"
+    draft: Any = None
+    k: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    fan_out: int | str = "geometric"
+    fan_out_budget: int = 8
+    saguaro_c: float = 1.0
+    backup: str = "auto"
+    target_devices: int | None = None
+    draft_devices: int | None = None
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.method != "ar":
+            if self.k < 1:
+                raise UserError(f"k must be >= 1, got {self.k}")
+            if self.draft is None:
+                raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise UserError("need 1 <= prompt-lookup-min <= prompt-lookup-max")
+
+    @property
+    def extra_cache_slots(self) -> int:
+        """Cache slots needed beyond prompt + new tokens (speculative tokens in flight)."""
+        return 0 if self.method == "ar" else self.k + 1

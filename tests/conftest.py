@@ -1,0 +1,58 @@
+"""Shared fixtures: 8 fake CPU devices, tiny random Llama / Qwen2 checkpoints saved by transformers."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+)
+
+
+def _save_tiny(kind: str, path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2}[kind])
+    if kind == "qwen2":
+        hf = Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False, eos_token_id=1)
+        model = Qwen2ForCausalLM(hf)
+    else:
+        extra = dict(tie_word_embeddings=True, eos_token_id=1)
+        if kind == "llama3":
+            extra["rope_parameters"] = dict(
+                rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            )
+        hf = LlamaConfig(**TINY, **extra)
+        model = LlamaForCausalLM(hf)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)  # larger than the default init so logits are far from uniform
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "llama3", "qwen2"])
+def tiny_hf(request, tmp_path_factory):
+    """(kind, path, torch model) for a tiny random checkpoint of each supported family."""
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = _save_tiny(request.param, path)
+    return request.param, str(path), model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-main")
+    _save_tiny("llama", path)
+    return str(path)
