@@ -124,8 +124,8 @@ def test_tensor_parallel_forward_equals_unsharded(tp):
     mesh = make_mesh(jax.devices()[:tp])
     sp = shard_params(cfg, params, mesh)
     assert len(sp["layers"][0]["wq"].sharding.device_set) == tp
-    assert sp["layers"][0]["wq"].sharding.spec[1] == "tp"  # heads are split
-    assert sp["layers"][0]["w_up"].sharding.spec[1] == "tp"  # MLP hidden is split
+    assert sp["layers"][0]["wq"].sharding.spec[0] == "tp"  # heads are split
+    assert sp["layers"][0]["w_up"].sharding.spec[0] == "tp"  # MLP hidden is split
     sh = cache_sharding(cfg, mesh, 2, 16)
     c = llama.init_cache(cfg, 2, 16)
     c = llama.KVCache([jax.device_put(x, sh) for x in c.k], [jax.device_put(x, sh) for x in c.v], c.lengths)

@@ -95,6 +95,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
+def matmul(x: jax.Array, w_OxI: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a weight stored (out, in)."""
+    return jnp.einsum("...i,oi->...o", x, w_OxI)
+
+
 def causal_slot_mask(slots_BxT: jax.Array, max_len: int) -> jax.Array:
     """Default mask: a query written at slot s sees every cache slot <= s."""
     return jnp.arange(max_len)[None, None, :] <= slots_BxT[:, :, None]
@@ -103,9 +108,11 @@ def causal_slot_mask(slots_BxT: jax.Array, max_len: int) -> jax.Array:
 def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_cache, inv_freq):
     B, T, _ = x.shape
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = jnp.einsum("btd,dnh->btnh", x, layer["wq"])
-    k = jnp.einsum("btd,dnh->btnh", x, layer["wk"])
-    v = jnp.einsum("btd,dnh->btnh", x, layer["wv"])
+    D = x.shape[-1]
+    # 2-D matmuls over free reshapes of the (out, in) weights
+    q = matmul(x, layer["wq"].reshape(H * hd, D)).reshape(B, T, H, hd)
+    k = matmul(x, layer["wk"].reshape(KVH * hd, D)).reshape(B, T, KVH, hd)
+    v = matmul(x, layer["wv"].reshape(KVH * hd, D)).reshape(B, T, KVH, hd)
     if cfg.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = apply_rope(q, positions, inv_freq)
@@ -120,7 +127,7 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(B, T, H, hd)
-    return jnp.einsum("btnh,nhd->btd", out, layer["wo"]), k_cache, v_cache
+    return matmul(out.reshape(B, T, H * hd), layer["wo"].reshape(D, H * hd)), k_cache, v_cache
 
 
 def forward(
@@ -156,15 +163,14 @@ def forward(
         new_v.append(vc)
         x = x + a
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        g = jnp.dot(h, layer["w_gate"])
-        u = jnp.dot(h, layer["w_up"])
-        x = x + jnp.dot(jax.nn.silu(g) * u, layer["w_down"])
+        g = matmul(h, layer["w_gate"])
+        u = matmul(h, layer["w_up"])
+        x = x + matmul(jax.nn.silu(g) * u, layer["w_down"])
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return x, KVCache(new_k, new_v, cache.lengths)
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Output head in float32: ``(..., D) -> (..., V)``."""
-    if cfg.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)

@@ -5,14 +5,17 @@ shapes, the shardings (``ssd_jax.sharding``) and the checks the loaders run on c
 weights. The parameter pytree is::
 
     {"embed": (V, D),
-     "layers": [ {"attn_norm": (D,), "wq": (D, H, hd), "wk": (D, KVH, hd), "wv": (D, KVH, hd),
+     "layers": [ {"attn_norm": (D,), "wq": (H, hd, D), "wk": (KVH, hd, D), "wv": (KVH, hd, D),
                   ["bq": (H, hd), "bk": (KVH, hd), "bv": (KVH, hd)],
-                  "wo": (H, hd, D), "mlp_norm": (D,),
-                  "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}, ... ],
+                  "wo": (D, H, hd), "mlp_norm": (D,),
+                  "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}, ... ],
      "final_norm": (D,),
-     ["lm_head": (D, V)]}          # absent when embeddings are tied
+     ["lm_head": (V, D)]}          # absent when embeddings are tied
 
-Matrices are stored (in, out) so that activations multiply from the left. Layers are a
+Matrices are stored (out, in), the layout of torch / GGUF / safetensors checkpoints, and
+multiplied as ``x @ W.T`` (contracting the last axis of both). On XLA:CPU this is up to 2x
+faster than the (in, out) layout for the wide-input matrices (w_down) and for the small-T
+matmuls of speculative verification, and loaders need no transposes. Layers are a
 Python list of per-layer dicts: on CPU the unrolled loop is markedly faster per decode
 step than ``lax.scan`` over stacked weights (REFERENCE §6).
 
@@ -39,14 +42,14 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
     D, H, KVH, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     s = {
         "attn_norm": ((D,), (None,)),
-        "wq": ((D, H, hd), (EMBED, HEADS, HEAD_DIM)),
-        "wk": ((D, KVH, hd), (EMBED, KV_HEADS, HEAD_DIM)),
-        "wv": ((D, KVH, hd), (EMBED, KV_HEADS, HEAD_DIM)),
-        "wo": ((H, hd, D), (HEADS, HEAD_DIM, EMBED)),
+        "wq": ((H, hd, D), (HEADS, HEAD_DIM, EMBED)),
+        "wk": ((KVH, hd, D), (KV_HEADS, HEAD_DIM, EMBED)),
+        "wv": ((KVH, hd, D), (KV_HEADS, HEAD_DIM, EMBED)),
+        "wo": ((D, H, hd), (EMBED, HEADS, HEAD_DIM)),
         "mlp_norm": ((D,), (None,)),
-        "w_gate": ((D, F), (EMBED, MLP)),
-        "w_up": ((D, F), (EMBED, MLP)),
-        "w_down": ((F, D), (MLP, EMBED)),
+        "w_gate": ((F, D), (MLP, EMBED)),
+        "w_up": ((F, D), (MLP, EMBED)),
+        "w_down": ((D, F), (EMBED, MLP)),
     }
     if cfg.qkv_bias:
         s["bq"] = ((H, hd), (HEADS, HEAD_DIM))
@@ -60,11 +63,22 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
     D, V = cfg.hidden_size, cfg.vocab_size
     specs = {"embed": ((V, D), (VOCAB, EMBED)), "final_norm": ((D,), (None,))}
     if not cfg.tie_embeddings:
-        specs["lm_head"] = ((D, V), (EMBED, VOCAB))
+        specs["lm_head"] = ((V, D), (VOCAB, EMBED))
     for i in range(cfg.num_layers):
         for k, v in layer_specs(cfg).items():
             specs[f"layers.{i}.{k}"] = v
     return specs
+
+
+def from_checkpoint(cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
+    """A checkpoint tensor (torch/GGUF (out, in) matrix, or a vector) in our layout for ``name``.
+
+    ``name`` is a flat name ("layers.3.wq", "lm_head", ...). Only reshapes: no data moves.
+    """
+    shape = param_specs(cfg)[name][0] if not name.startswith("layers.") else layer_specs(cfg)[name.split(".")[-1]][0]
+    if w.size != int(np.prod(shape)):
+        raise ValueError(f"tensor for {name} has {w.size} elements ({w.shape}), expected shape {shape}")
+    return w.reshape(shape)
 
 
 def unflatten(cfg: ModelConfig, flat: dict[str, Any]) -> Params:

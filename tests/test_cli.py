@@ -1,0 +1,88 @@
+"""The `python -m ssd_jax.decode` contract: JSON output, and one-line errors with exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, env=None):
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "ssd_jax.decode", *args], capture_output=True, text=True, timeout=600, env=e
+    )
+
+
+def assert_one_line_error(r, needle):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert needle.lower() in lines[0].lower(), lines[0]
+    assert r.stdout == ""
+
+
+def test_json_contract_on_tiny_model(tiny_llama_path):
+    r = run_cli("--target", tiny_llama_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8",
+                "--max-new-tokens", "6", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)  # exactly one JSON object on stdout
+    assert d["method"] == "ar"
+    assert [len(o["token_ids"]) for o in d["outputs"]] == [6, 6]
+    assert {"prompt", "text", "token_ids"} <= set(d["outputs"][0])
+    for k in ("generated_tokens", "tokens_per_s", "ttft_s", "tpot_s", "wall_s", "compile_s"):
+        assert k in d["metrics"]
+
+
+def test_prompts_file_jsonl_and_lines(tiny_llama_path, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{not json\n')
+    assert_one_line_error(run_cli("--target", tiny_llama_path, "--prompts-file", str(bad)), "invalid JSON")
+    assert_one_line_error(run_cli("--target", tiny_llama_path, "--prompts-file", str(tmp_path / "nope")), "not found")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top-p"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--top-k", "-3"], "top-k"),
+        (["--prompt", "   "], "empty prompt"),
+        (["--prompt-ids", "1,x"], "prompt-ids"),
+        (["--max-new-tokens", "abc"], "max-new-tokens"),
+        (["--method", "beam"], "unknown method"),
+        (["--method", "sd", "--draft", "ngram", "--k", "0"], "k must be"),
+    ],
+)
+def test_bad_flags(args, needle):
+    assert_one_line_error(run_cli(*args), needle)
+
+
+def test_unknown_model_and_bad_files(tmp_path):
+    assert_one_line_error(run_cli("--target", "no-such-model-xyz", "--prompt", "hi"), "unknown model")
+    assert_one_line_error(run_cli("--target", str(tmp_path / "missing.gguf"), "--prompt", "hi"), "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + os.urandom(256))
+    assert_one_line_error(run_cli("--target", str(junk), "--prompt", "hi"), "junk.gguf")
+
+
+def test_prompt_beyond_context_window(tiny_llama_path):
+    r = run_cli("--target", tiny_llama_path, "--prompt-ids", "1,2,3", "--max-new-tokens", "100000")
+    assert_one_line_error(r, "context window")
+
+
+@pytest.mark.realmodel
+def test_default_run_and_contract_on_smollm():
+    r = run_cli("--max-new-tokens", "8")  # no arguments but a short budget: default model + prompt
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip()
+    r = run_cli("--target", "smollm2-135m-instruct", "--prompt", "def add(a, b):", "--prompt", "Name three rivers.",
+                "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert len(d["outputs"]) == 2 and all(o["text"] for o in d["outputs"])
