@@ -1,0 +1,175 @@
+"""``python -m ssd_jax.bench``: benchmarks that write results files (never asserted in tests).
+
+Suite ``ar`` (the foundation benchmark): for each model, batch-1 greedy AR decode speed,
+compile time and peak RSS, each model in its own subprocess (so peak RSS is its own), next
+to the memory-bandwidth roofline: weight bytes read per token / measured read bandwidth.
+The load average is recorded beside every number: these machines are shared.
+
+Results go to ``experiments/results/<suite>_<backend>.json`` and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+BENCH_PROMPT = "def quicksort(arr):\n    "
+DEFAULT_MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
+
+
+def measure_bandwidth(gbytes: float = 1.0, repeats: int = 7) -> float:
+    """Best read bandwidth (GB/s) over a few kernels streaming a large float32 array.
+
+    The maximum over a full reduction and a matrix-vector product (the decode step's own
+    access pattern) is used, so the roofline is the best this machine was seen to do, not a
+    pessimistic one that would flatter the efficiency figure.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = int(gbytes * 1e9 / 4) // 1024 * 1024
+    x = jnp.ones((1024, n // 1024), jnp.float32)
+    v = jnp.ones((1, n // 1024), jnp.float32)
+    kernels = [(jax.jit(lambda a: jnp.sum(a)), (x,)), (jax.jit(lambda a, b: jnp.einsum("bi,oi->bo", b, a)), (x, v))]
+    best = float("inf")
+    for f, a in kernels:
+        f(*a).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f(*a).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+    del x
+    return n * 4 / best / 1e9
+
+
+def _env() -> dict:
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "loadavg": os.getloadavg(),
+    }
+
+
+def ar_one(model_name: str, new_tokens: int, dtype: str | None, repeats: int) -> dict:
+    """Run in a child process: load, compile, decode; report speed and peak RSS."""
+    import resource
+
+    import ssd_jax
+    from ssd_jax.models.params import count_params, weight_bytes_per_token
+
+    t = time.perf_counter()
+    model = ssd_jax.load_model(model_name, dtype=dtype)
+    load_s = time.perf_counter() - t
+    sp = ssd_jax.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    first = ssd_jax.generate(model, [BENCH_PROMPT], sp)  # includes compilation
+    runs = [ssd_jax.generate(model, [BENCH_PROMPT], sp).metrics for _ in range(repeats)]
+    best = min(runs, key=lambda m: m["tpot_s"])
+    itemsize = 2 if model.cfg.dtype in ("bfloat16", "float16") else 4
+    return {
+        "model": model_name,
+        "weights_sha256": model.weights_sha256,
+        "dtype": model.cfg.dtype,
+        "params": count_params(model.cfg),
+        "weight_bytes_per_token": weight_bytes_per_token(model.cfg, itemsize),
+        "load_s": load_s,
+        "compile_s": first.metrics["compile_s"],
+        "tpot_s": best["tpot_s"],
+        "tpot_s_all": [m["tpot_s"] for m in runs],
+        "decode_tokens_per_s": 1.0 / best["tpot_s"],
+        "ttft_s": best["ttft_s"],
+        "new_tokens": new_tokens,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+        "text": first.outputs[0]["text"][:200],
+    }
+
+
+def suite_ar(args) -> dict:
+    env = _env()
+    bw = measure_bandwidth()
+    rows = []
+    for name in args.models:
+        cmd = [sys.executable, "-m", "ssd_jax.bench", "--child-ar", name, "--new-tokens", str(args.new_tokens),
+               "--repeats", str(args.repeats)] + (["--dtype", args.dtype] if args.dtype else [])
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"{name}: failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        row["loadavg_after"] = os.getloadavg()
+        row["roofline_tpot_s"] = row["weight_bytes_per_token"] / (bw * 1e9)
+        row["roofline_fraction"] = row["roofline_tpot_s"] / row["tpot_s"]
+        rows.append(row)
+        print(
+            f"{name}: {row['decode_tokens_per_s']:.2f} tok/s (tpot {row['tpot_s'] * 1e3:.0f} ms, roofline "
+            f"{row['roofline_tpot_s'] * 1e3:.0f} ms = {row['roofline_fraction']:.0%}), compile {row['compile_s']:.1f}s, "
+            f"peak RSS {row['peak_rss_gb']:.2f} GB, load {row['load_s']:.1f}s",
+            file=sys.stderr,
+        )
+    return {"suite": "ar", "env": env, "bandwidth_gb_s": bw, "rows": rows}
+
+
+def render_ar(res: dict) -> str:
+    e = res["env"]
+    lines = [
+        f"# AR decode, batch 1, greedy ({e['backend']}, {e['device_kind']}, jax {e['jax']}, commit {e['git_commit']})",
+        "",
+        f"Measured read bandwidth: {res['bandwidth_gb_s']:.1f} GB/s (best over a reduction and a matrix-vector product streaming 1 GB). "
+        f"Load average at start: {', '.join(f'{x:.2f}' for x in e['loadavg'])}.",
+        "",
+        "| model | dtype | weight GB/token | decode tok/s | tpot ms | roofline tpot ms | % of roofline | compile s "
+        "| peak RSS GB | load s | load avg after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['weight_bytes_per_token'] / 1e9:.2f} | {r['decode_tokens_per_s']:.2f} "
+            f"| {r['tpot_s'] * 1e3:.0f} | {r['roofline_tpot_s'] * 1e3:.0f} | {r['roofline_fraction']:.0%} "
+            f"| {r['compile_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['load_s']:.1f} | {r['loadavg_after'][0]:.2f} |"
+        )
+    lines += ["", "tpot is the best of the repeated runs (each 1 prompt x new tokens, after a compile run)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ssd_jax.bench")
+    p.add_argument("--suite", default="ar", choices=["ar"])
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--out", default="experiments/results")
+    p.add_argument("--child-ar", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_ar:
+        print(json.dumps(ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
+        return 0
+    res = suite_ar(args)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(render_ar(res))
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
