@@ -14,6 +14,7 @@ along in the static batch (their results are ignored), so nothing ever recompile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -201,9 +202,14 @@ def generate(
     spec.validate()
     if not prompts:
         raise UserError("no prompts given")
-    if spec.method != "ar":
-        raise UserError(f"method {spec.method!r} is not implemented yet (only 'ar' is available)")
+    if spec.method == "ssd":
+        raise UserError("method 'ssd' is not implemented yet (available: ar, sd)")
     ids = encode_prompts(model, prompts, chat)
+    if spec.method == "sd":
+        from ssd_jax import load_model
+        from ssd_jax.sd import generate_sd
+
+        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, functools.partial(load_model, dtype=model.cfg.dtype))
     return _generate_ar(model, list(prompts), ids, sampling, spec, on_text)
 
 

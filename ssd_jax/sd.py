@@ -1,0 +1,196 @@
+"""Speculative decoding (SD): the round loop, ragged over the batch, and its accounting.
+
+State between rounds, per row: the committed context (prompt + emitted tokens, all in the
+target cache) and ``cur``, the last emitted token, which no cache holds yet. One round:
+
+1. draft   - the drafter proposes up to K tokens after ``cur`` (``drafters.py``);
+2. verify  - the target scores ``[cur, s_1..s_K]`` in ONE forward pass at each row's own
+             offset, giving K+1 next-token distributions;
+3. sample  - exact rejection sampling (``verify.py``) decides n_accepted per row and draws the
+             bonus / correction token, which becomes the next ``cur``.
+
+Rows accept different numbers of tokens; both caches advance per row by resetting their
+lengths (rejected slots are simply overwritten later). Each stage is one compiled call; the
+host blocks after each only to time it (the draft / verify / sample / overhead breakdown of
+the vLLM study), which costs microseconds next to a forward pass.
+
+``mean_acceptance_length`` is tokens emitted per verify step INCLUDING the bonus token;
+``acceptance_rate`` is accepted / drafted proposals.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax import runtime
+from ssd_jax.drafters import make_drafter
+from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch
+from ssd_jax.models import llama
+from ssd_jax.sampling import RowSampling
+from ssd_jax.verify import emitted_tokens, verify
+
+
+def target_score(params, cache, cur_B, draft_BxK, *, cfg):
+    """Target logits at the K+1 positions ``[cur, s_1..s_K]`` (cache lengths unchanged)."""
+    toks = jnp.concatenate([cur_B[:, None], draft_BxK], axis=1)
+    h, cache = llama.forward(params, cfg, toks, cache)
+    return llama.logits(params, cfg, h), cache
+
+
+def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter):
+    """Rejection sampling + the per-row state update; returns what the host and next round need."""
+    res = verify(jax.random.fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
+    n = res.n_accepted
+    prev = jnp.where(n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B)
+    new_len = lengths_B + 1 + n
+    # two output buffers: the target's and the draft's caches are donated separately
+    return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
+
+
+@functools.lru_cache(maxsize=64)
+def sd_steps(cfg, needs_filter: bool):
+    score = runtime.Compiled(functools.partial(target_score, cfg=cfg), donate_argnums=(1,), name="verify")
+    acc = runtime.Compiled(functools.partial(accept_step, needs_filter=needs_filter), name="sample")
+    return score, acc
+
+
+def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> GenerationResult:
+    from ssd_jax.drafters import ModelDrafter
+
+    rows_prompt = [p for p in prompts for _ in range(sampling.n)]
+    rows_ids = [x for x in ids for _ in range(sampling.n)]
+    B, K = len(rows_ids), spec.k
+    width, max_len = plan_batch(model, rows_ids, sampling, spec)
+    drafter = make_drafter(spec, model, sampling, load)
+    if isinstance(drafter, ModelDrafter):
+        plan_batch(drafter.model, rows_ids, sampling, spec)  # the draft's context window must fit too
+    eos = eos_ids(model)
+    rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
+
+    put = functools.partial(_put, model)
+    tokens = np.zeros((B, width), np.int32)
+    for b, r in enumerate(rows_ids):
+        tokens[b, : len(r)] = r
+    n_valid = np.array([len(r) for r in rows_ids], np.int32)
+    rs = jax.tree.map(put, RowSampling.broadcast(sampling, B))
+    key = jax.random.wrap_key_data(put(jax.random.key_data(jax.random.key(sampling.seed))))
+    kdraft, kverify = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+    prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
+    score, acc = sd_steps(model.cfg, sampling.needs_filter)
+
+    # --- compile everything up front (timed), then prefill target and draft
+    cache = _cache_for(model, B, max_len)
+    tokens_d, n_valid_d = put(tokens), put(n_valid)
+    compile_s = prefill.precompile(model.params, cache, tokens_d, n_valid_d, key, rs)
+    compile_s += drafter.start(tokens, n_valid, max_len, put)
+    zB = put(np.zeros((B,), np.int32))
+    compile_s += drafter.precompile(zB, zB, kdraft, rs)
+    zK = put(np.zeros((B, K), np.int32))
+    compile_s += score.precompile(model.params, cache, zB, zK)
+    V = model.cfg.vocab_size
+    q_spec = None if drafter.kind != "model" else put(np.zeros((B, K, V), np.float32))
+    step0 = put(np.int32(0))
+    logit_spec = put(np.zeros((B, K + 1, V), np.float32))
+    compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
+
+    t0 = time.perf_counter()
+    cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
+    prev = put(np.asarray([r[-1] for r in rows_ids], np.int32))
+    first = np.asarray(cur)
+    ttft = time.perf_counter() - t0
+    for b, r in enumerate(rows):
+        new = r.push(int(first[b]))
+        if new and on_text is not None:
+            on_text(b, new)
+    uses_history = getattr(drafter, "needs_history", False)
+    history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)] if uses_history else None
+
+    t_draft = t_verify = t_sample = 0.0
+    hist = np.zeros(K + 1, np.int64)
+    pos_reached = np.zeros(K, np.int64)
+    pos_accepted = np.zeros(K, np.int64)
+    row_rounds, row_drafted, row_accepted = np.zeros(B, int), np.zeros(B, int), np.zeros(B, int)
+    live = np.array([not r.done for r in rows])
+    step = 0
+    while live.any():
+        step += 1
+        a = time.perf_counter()
+        prop = drafter.propose(prev, cur, jax.random.fold_in(kdraft, step), rs, history)
+        jax.block_until_ready(prop.tokens)
+        b_ = time.perf_counter()
+        logits, cache = score(model.params, cache, cur, prop.tokens)
+        logits.block_until_ready()
+        c = time.perf_counter()
+        emitted, n_acc, lengths, draft_lengths, prev, cur = acc(
+            kverify, put(np.int32(step)), logits, prop.tokens, prop.n_draft, prop.q, rs, cache.lengths, cur
+        )
+        emitted_h, n_acc_h, n_draft_h = np.asarray(emitted), np.asarray(n_acc), np.asarray(prop.n_draft)
+        d = time.perf_counter()
+        t_draft, t_verify, t_sample = t_draft + (b_ - a), t_verify + (c - b_), t_sample + (d - c)
+        cache = cache.with_lengths(lengths)
+        drafter.commit(draft_lengths)
+
+        # acceptance statistics over the rows still generating (vectorised: batches can be large)
+        k_l, nd_l = n_acc_h[live], n_draft_h[live]
+        hist += np.bincount(k_l, minlength=K + 1)
+        j = np.arange(K)[None, :]
+        pos_reached += ((j <= k_l[:, None]) & (j < nd_l[:, None])).sum(0)
+        pos_accepted += (j < k_l[:, None]).sum(0)
+        row_rounds += live
+        row_drafted += np.where(live, n_draft_h, 0)
+        row_accepted += np.where(live, n_acc_h, 0)
+        for b in np.flatnonzero(live):
+            r = rows[b]
+            new_toks = emitted_h[b, : n_acc_h[b] + 1]
+            if uses_history:
+                history[b] = np.concatenate([history[b], new_toks])
+            for t in new_toks.tolist():
+                new = r.push(t)
+                if new and on_text is not None:
+                    on_text(b, new)
+                if r.done:
+                    live[b] = False
+                    break
+    wall = time.perf_counter() - t0
+
+    gen = sum(len(r.tokens) for r in rows)
+    longest = max(len(r.tokens) for r in rows)
+    drafted, accepted = int(row_drafted.sum()), int(row_accepted.sum())
+    rounds = int(row_rounds.sum())
+    outputs = []
+    for b, r in enumerate(rows):
+        o = r.output()
+        o["metrics"] = {
+            "verify_steps": int(row_rounds[b]),
+            "acceptance_rate": row_accepted[b] / row_drafted[b] if row_drafted[b] else 0.0,
+            "mean_acceptance_length": (row_accepted[b] + row_rounds[b]) / row_rounds[b] if row_rounds[b] else 0.0,
+        }
+        outputs.append(o)
+    metrics = {
+        "generated_tokens": gen,
+        "tokens_per_s": gen / wall if wall > 0 else 0.0,
+        "ttft_s": ttft,
+        "tpot_s": (wall - ttft) / (longest - 1) if longest > 1 else 0.0,
+        "wall_s": wall,
+        "compile_s": compile_s,
+        "batch_size": B,
+        "prompt_tokens": int(n_valid.sum()),
+        "k": K,
+        "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
+        "verify_steps": step,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": (accepted + rounds) / rounds if rounds else 0.0,
+        "per_position_acceptance": [float(a / r) if r else 0.0 for a, r in zip(pos_accepted, pos_reached)],
+        "acceptance_histogram": hist.tolist(),
+        "draft_s": t_draft,
+        "verify_s": t_verify,
+        "sample_s": t_sample,
+        "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample),
+        "prefill_s": ttft,
+    }
+    return GenerationResult(outputs, metrics, method="sd")

@@ -1,0 +1,232 @@
+"""Speculative decoding: greedy equality with AR, statistical exactness, metrics and bad input."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ssd_jax
+from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax import sd as sd_mod
+from ssd_jax.errors import UserError
+from ssd_jax.loading import LoadedModel
+from ssd_jax.models import llama
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.params import init_params
+from ssd_jax.sampling import RowSampling, filter_logprobs
+
+PROMPTS = [[3, 17, 29, 3, 17], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], [77], [90, 91, 92, 93, 94, 90, 91]]
+
+
+def tiny_model(seed, vocab=128, name=None, layers=2, scale=0.15, **kw):
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(1,), **kw)
+    return LoadedModel(name or f"tiny-{seed}", cfg, init_params(cfg, seed, scale=scale), None, f"seed{seed}", "")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(0), tiny_model(1, layers=1)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(pair):
+    return _ids(generate(pair[0], PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True)))
+
+
+def _ids(res):
+    return [o["token_ids"] for o in res.outputs]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "random"])
+def test_greedy_sd_equals_greedy_ar(pair, ar_ref, k, drafter):
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ar = ar_ref
+    res = generate(target, PROMPTS, sp, SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=k))
+    assert _ids(res) == ar
+    m = res.metrics
+    assert sum(m["acceptance_histogram"]) >= m["verify_steps"]
+    assert 0.0 <= m["acceptance_rate"] <= 1.0
+    assert len(m["per_position_acceptance"]) == k
+
+
+def test_self_draft_accepts_everything(pair):
+    """Drafting with the target itself must accept every greedy proposal (checks the draft cache logic)."""
+    target, _ = pair
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    m = generate(target, PROMPTS, sp, SpecConfig(method="sd", draft=target, k=3)).metrics
+    assert m["acceptance_rate"] == 1.0
+    assert m["mean_acceptance_length"] == 4.0
+
+
+def test_ragged_acceptance_and_eos(pair, ar_ref):
+    """Rows stop at different rounds (EOS, length); output equals AR row by row."""
+    target, draft = pair
+    free = ar_ref
+    eos = free[1][6]
+    t2 = dataclasses.replace(target, cfg=target.cfg.replace(eos_token_ids=(eos,)))
+    sp = SamplingParams(max_new_tokens=20)
+    ar = _ids(generate(t2, PROMPTS, sp))
+    sd = _ids(generate(t2, PROMPTS, sp, SpecConfig(method="sd", draft=draft, k=4)))
+    assert sd == ar
+    assert len(sd[1]) <= 7
+
+
+def test_metrics_contract(pair):
+    target, draft = pair
+    res = generate(target, PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),
+                   SpecConfig(method="sd", draft=draft, k=3))
+    m = res.metrics
+    for key in ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "acceptance_histogram",
+                "verify_steps", "draft_s", "verify_s", "sample_s", "overhead_s"):
+        assert key in m
+    assert m["draft_s"] > 0 and m["verify_s"] > 0 and m["sample_s"] > 0
+    for o in res.outputs:
+        assert {"acceptance_rate", "mean_acceptance_length", "verify_steps"} <= set(o["metrics"])
+
+
+def test_vocab_padding_is_aligned():
+    """A draft whose embedding table is padded larger than the target's still works exactly."""
+    target = tiny_model(0)
+    draft = tiny_model(1, vocab=160)
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    assert _ids(generate(target, PROMPTS, sp, SpecConfig(method="sd", draft=draft, k=3))) == _ids(
+        generate(target, PROMPTS, sp)
+    )
+
+
+def test_bad_spec(pair):
+    target, draft = pair
+    with pytest.raises(UserError, match="k must be"):
+        generate(target, PROMPTS, SamplingParams(), SpecConfig(method="sd", draft="ngram", k=0))
+    with pytest.raises(UserError, match="context window"):
+        generate(target, PROMPTS, SamplingParams(max_new_tokens=500), SpecConfig(method="sd", draft=draft, k=16))
+    with pytest.raises(UserError, match="needs a draft"):
+        generate(target, PROMPTS, SamplingParams(), SpecConfig(method="sd", k=2))
+
+
+def test_mismatched_tokenizers_are_refused(pair):
+    from ssd_jax.drafters import check_same_tokenizer
+
+    class Tok:
+        def __init__(self, fp):
+            self.fp = fp
+
+        def fingerprint(self):
+            return self.fp
+
+    t = dataclasses.replace(pair[0], tokenizer=Tok("a"))
+    d = dataclasses.replace(pair[1], tokenizer=Tok("b"))
+    with pytest.raises(UserError, match="different tokenizers"):
+        check_same_tokenizer(t, d)
+    check_same_tokenizer(t, dataclasses.replace(d, tokenizer=Tok("a")))
+
+
+# --- statistical exactness ------------------------------------------------------------------
+
+V_SMALL = 16
+N_SAMPLES = 20_000
+
+
+def chi2_threshold(df: int, z: float = 4.75) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 4.75 is a one-sided p of about 1e-6."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, int]:
+    """Pearson chi-square with cells of expected count < 5 pooled into one."""
+    exp = probs * n
+    big = exp >= 5
+    obs_c = np.append(counts[big], counts[~big].sum())
+    exp_c = np.append(exp[big], exp[~big].sum())
+    keep = exp_c > 0
+    stat = float((((obs_c - exp_c) ** 2)[keep] / exp_c[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def exact_pair_distribution(target, prompt, rs_one, needs_filter):
+    """P(t2, t3) of the 2nd and 3rd generated tokens, summing over the 1st, by enumeration."""
+    cfg = target.cfg
+    fwd = jax.jit(lambda ids: llama.logits(target.params, cfg, llama.forward(target.params, cfg, ids, llama.init_cache(cfg, ids.shape[0], 32))[0]))
+
+    def dist(ctx_batch):
+        lg = fwd(jnp.asarray(ctx_batch, jnp.int32))[:, -1]
+        rs = RowSampling(*(jnp.broadcast_to(x, (lg.shape[0],)) for x in (rs_one.temperature, rs_one.top_k, rs_one.top_p)))
+        return np.exp(np.asarray(filter_logprobs(lg, rs, needs_filter), np.float64))
+
+    V = cfg.vocab_size
+    p1 = dist([prompt])[0]
+    p2 = dist([prompt + [a] for a in range(V)])  # (V, V): row = t1
+    ctx3 = [prompt + [a, b] for a in range(V) for b in range(V)]
+    p3 = dist(ctx3).reshape(V, V, V)
+    joint = np.einsum("a,ab,abc->bc", p1, p2, p3)
+    return joint / joint.sum()
+
+
+def sampled_pairs(target, spec, sampling, prompt):
+    res = generate(target, [prompt], dataclasses.replace(sampling, n=N_SAMPLES, max_new_tokens=3, ignore_eos=True), spec)
+    toks = np.asarray([o["token_ids"][:3] for o in res.outputs])
+    counts = np.bincount(toks[:, 1] * V_SMALL + toks[:, 2], minlength=V_SMALL * V_SMALL)
+    return counts, res.metrics
+
+
+def biased_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
+    """The known bug: accept a proposal iff it equals the target argmax, then sample p (not the residual)."""
+    from ssd_jax.verify import VerifyResult
+
+    K = draft.shape[1]
+    am = jnp.argmax(logits, -1)[:, :K]
+    ok = (draft == am) & (jnp.arange(K)[None] < n_draft[:, None])
+    acc = jnp.cumprod(ok.astype(jnp.int32), 1).astype(bool)
+    n = acc.sum(1).astype(jnp.int32)
+    lp = filter_logprobs(logits, rs, needs_filter)
+    nxt = jax.random.categorical(key, jnp.take_along_axis(lp, n[:, None, None], 1)[:, 0]).astype(jnp.int32)
+    return VerifyResult(n, nxt, acc)
+
+
+STAT_CASES = [
+    ("model", SamplingParams(temperature=1.0, seed=11)),
+    ("model", SamplingParams(temperature=0.7, top_p=0.9, seed=12)),
+    ("ngram", SamplingParams(temperature=1.0, seed=13)),
+    ("ngram", SamplingParams(temperature=0.7, top_p=0.9, seed=14)),
+    ("random", SamplingParams(temperature=1.0, seed=15)),
+]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    # a peaky target (large weights) and a flatter draft with the same weight directions:
+    # they agree often but not always, so acceptance is well inside (0, 1)
+    return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(3, vocab=V_SMALL, scale=0.2, layers=1)
+
+
+@pytest.mark.parametrize("drafter,sampling", STAT_CASES)
+def test_sd_matches_exact_target_distribution(small_pair, drafter, sampling, monkeypatch):
+    target, draft = small_pair
+    prompt = [2, 5, 2, 5, 2] if drafter == "ngram" else [3, 7, 1]
+    spec = SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=2, prompt_lookup_min=1)
+    rs = RowSampling.broadcast(sampling, 1)
+    exact = exact_pair_distribution(target, prompt, rs, sampling.needs_filter).ravel()
+    counts, m = sampled_pairs(target, spec, sampling, prompt)
+    assert counts[exact == 0].sum() == 0  # never a token outside the target's support
+    stat, df = chi2_stat(counts, exact, N_SAMPLES)
+    assert stat < chi2_threshold(df), (stat, df, m["acceptance_rate"])
+    if drafter != "random":
+        assert 0.05 < m["acceptance_rate"] < 0.98  # both the accept and the residual paths ran
+
+    if drafter == "model" and sampling.top_p == 1.0:
+        # negative control: the biased verifier must fail the very same bound
+        monkeypatch.setattr(sd_mod, "verify", biased_verify)
+        sd_mod.sd_steps.cache_clear()
+        try:
+            counts_b, _ = sampled_pairs(target, spec, dataclasses.replace(sampling, seed=99), prompt)
+        finally:
+            monkeypatch.undo()
+            sd_mod.sd_steps.cache_clear()
+        stat_b, df_b = chi2_stat(counts_b, exact, N_SAMPLES)
+        assert stat_b > chi2_threshold(df_b), (stat_b, df_b)
