@@ -147,9 +147,121 @@ def render_ar(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- SD suite ---------------------------------------------------------------------------
+
+
+def _run(model, prompts, sp, spec):
+    import ssd_jax
+
+    ssd_jax.generate(model, prompts, ssd_jax.SamplingParams(**{**sp.__dict__, "max_new_tokens": 4}), spec)  # compile
+    return ssd_jax.generate(model, prompts, sp, spec)
+
+
+def suite_sd(args) -> dict:
+    """AR vs SD side by side (same process, interleaved per prompt) on the Qwen pair.
+
+    Per prompt, every method runs back to back, so machine noise hits all of them alike;
+    ratios are computed from summed tokens and summed wall time per category.
+    """
+    import ssd_jax
+    from ssd_jax import SamplingParams, SpecConfig
+    from ssd_jax.data import copy_task_prompts, load_prompts
+
+    env = _env()
+    target = ssd_jax.load_model(args.target)
+    draft = ssd_jax.load_model(args.draft)
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    methods = [("ar", SpecConfig())]
+    methods += [(f"sd-k{k}", SpecConfig(method="sd", draft=draft, k=k)) for k in args.ks]
+    methods += [(f"ngram-k{args.ngram_k}", SpecConfig(method="sd", draft="ngram", k=args.ngram_k))]
+    cats = {c: [p["prompt"] for p in load_prompts(c, n=args.n_prompts)] for c in args.categories}
+    cats["copy"] = [p["prompt"] if isinstance(p, dict) else p for p in copy_task_prompts(args.n_prompts)]
+    rows = []
+    for cat, prompts in cats.items():
+        for i, prompt in enumerate(prompts):
+            for name, spec in methods:
+                if cat == "copy" and name.startswith("sd-") and name != f"sd-k{args.ks[len(args.ks) // 2]}":
+                    continue
+                res = _run(target, [prompt], sp, spec)
+                m = res.metrics
+                row = {"suite": "sd", "category": cat, "prompt_index": i, "method": name, "batch_size": 1,
+                       "loadavg": os.getloadavg(), **{k: v for k, v in m.items()}}
+                rows.append(row)
+                print(f"{cat}[{i}] {name}: {m['tokens_per_s']:.2f} tok/s"
+                      + (f", acc {m['acceptance_rate']:.2f}, tau {m['mean_acceptance_length']:.2f}" if "acceptance_rate" in m else ""),
+                      file=sys.stderr)
+    # batch sizes: code prompts, AR vs the middle K
+    k_mid = args.ks[len(args.ks) // 2]
+    code = [p["prompt"] for p in load_prompts("code", n=max(args.batch_sizes))]
+    for bs in args.batch_sizes:
+        for name, spec in [("ar", SpecConfig()), (f"sd-k{k_mid}", SpecConfig(method="sd", draft=draft, k=k_mid))]:
+            res = _run(target, code[:bs], sp, spec)
+            m = res.metrics
+            rows.append({"suite": "sd-batch", "category": "code", "method": name, "batch_size": bs,
+                         "loadavg": os.getloadavg(), **m})
+            print(f"batch {bs} {name}: {m['tokens_per_s']:.2f} tok/s", file=sys.stderr)
+    return {"suite": "sd", "env": env, "target": target.name, "draft": draft.name,
+            "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256}, "rows": rows}
+
+
+def render_sd(res: dict) -> str:
+    import collections
+
+    e = res["env"]
+    out = [f"# SD vs AR ({res['target']} target, {res['draft']} draft; {e['backend']}, jax {e['jax']}, "
+           f"commit {e['git_commit']})", "",
+           "Batch 1, greedy, side by side in one process (every method per prompt back to back). "
+           "Ratios are summed tokens over summed wall time (prefill included) per category, relative to AR.", "",
+           "| category | method | prompts | tok/s | ratio vs AR | acceptance | tokens/verify step | draft s | verify s "
+           "| sample s | overhead s | load avg |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    agg = collections.defaultdict(lambda: collections.defaultdict(float))
+    for r in res["rows"]:
+        if r["suite"] != "sd":
+            continue
+        a = agg[(r["category"], r["method"])]
+        a["n"] += 1
+        a["tok"] += r["generated_tokens"]
+        a["wall"] += r["wall_s"]
+        for k in ("draft_s", "verify_s", "sample_s", "overhead_s"):
+            a[k] += r.get(k, 0.0)
+        a["acc_num"] += r.get("acceptance_rate", 0.0) * r.get("verify_steps", 0) * r.get("k", 0)
+        a["acc_den"] += r.get("verify_steps", 0) * r.get("k", 0)
+        a["steps"] += r.get("verify_steps", 0)
+        a["load"] += r["loadavg"][0]
+    for (cat, meth), a in agg.items():
+        base = agg[(cat, "ar")]
+        tps = a["tok"] / a["wall"]
+        ratio = tps / (base["tok"] / base["wall"]) if base["wall"] else float("nan")
+        acc = f"{a['acc_num'] / a['acc_den']:.2f}" if a["acc_den"] else "-"
+        tau = f"{a['tok'] / a['steps']:.2f}" if a["steps"] else "-"
+        out.append(f"| {cat} | {meth} | {int(a['n'])} | {tps:.2f} | {ratio:.2f}x | {acc} | {tau} | {a['draft_s']:.1f} "
+                   f"| {a['verify_s']:.1f} | {a['sample_s']:.2f} | {a['overhead_s']:.2f} | {a['load'] / a['n']:.2f} |")
+    out += ["", "## Batch size (code prompts)", "", "| batch | method | tok/s (throughput) | per-sequence tok/s | ratio vs AR |",
+            "|---|---|---|---|---|"]
+    base = {}
+    for r in res["rows"]:
+        if r["suite"] == "sd-batch":
+            tps = r["tokens_per_s"]
+            if r["method"] == "ar":
+                base[r["batch_size"]] = tps
+            ratio = tps / base.get(r["batch_size"], float("nan"))
+            out.append(f"| {r['batch_size']} | {r['method']} | {tps:.2f} | {tps / r['batch_size']:.2f} | {ratio:.2f}x |")
+    out += ["", "tokens/verify step counts the bonus token (mean acceptance length); acceptance = accepted / drafted. "
+            "tokens per verify step for ar is not applicable."]
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar"])
+    p.add_argument("--suite", default="ar", choices=["ar", "sd"])
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--n-prompts", type=int, default=3)
+    p.add_argument("--categories", nargs="+", default=["code", "chat", "math"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -160,13 +272,15 @@ def main(argv=None) -> int:
     if args.child_ar:
         print(json.dumps(ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
         return 0
-    res = suite_ar(args)
+    if args.suite == "sd" and "--new-tokens" not in (argv or sys.argv):
+        args.new_tokens = 64
+    res = suite_ar(args) if args.suite == "ar" else suite_sd(args)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(render_ar(res))
+        f.write(render_ar(res) if args.suite == "ar" else render_sd(res))
     print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
     return 0
 

@@ -152,6 +152,14 @@ def run(argv=None) -> int:
         f"ttft {m['ttft_s']:.3f}s, tpot {m['tpot_s'] * 1e3:.1f}ms, compile {m['compile_s']:.1f}s",
         file=sys.stderr,
     )
+    if "acceptance_rate" in m:
+        print(
+            f"[{res.method}] draft {m['draft']} k={m['k']}: acceptance {m['acceptance_rate']:.2f}, "
+            f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
+            f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
+            f"overhead {m['overhead_s']:.2f}s",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import ssd_jax
 from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax import sd as sd_mod
 from ssd_jax.errors import UserError
