@@ -86,3 +86,11 @@ def test_default_run_and_contract_on_smollm():
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert len(d["outputs"]) == 2 and all(o["text"] for o in d["outputs"])
+
+
+@pytest.mark.realmodel
+def test_sd_with_an_unverifiable_tokenizer_is_refused(tiny_llama_path):
+    """A tokenizer-less tiny model cannot be shown to share SmolLM2's vocabulary: exit 2, one line."""
+    r = run_cli("--target", "smollm2-135m-instruct", "--draft", tiny_llama_path, "--method", "sd",
+                "--prompt", "hi", "--max-new-tokens", "4")
+    assert_one_line_error(r, "share a tokenizer")

@@ -71,3 +71,40 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     got = np.asarray(llama.logits(ours.params, ours.cfg, h))[0]
     # same dequantised weights, different kernels and summation order: float32 noise only
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("drafter", ["tiny", "ngram"])
+def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
+    """Real target, a different draft (a tiny random model sharing its vocabulary) or n-gram lookup."""
+    import dataclasses
+
+    from ssd_jax.models.params import init_params
+
+    if drafter == "tiny":
+        cfg = ours.cfg.replace(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                               head_dim=16)
+        draft = dataclasses.replace(ours, name="tiny-random-draft", cfg=cfg, params=init_params(cfg, 0, scale=0.05))
+    else:
+        draft = "ngram"
+    ids = [ours.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = ssd_jax.generate(ours, ids, sp)
+    sd = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="sd", draft=draft, k=3))
+    assert [o["token_ids"] for o in sd.outputs] == [o["token_ids"] for o in ar.outputs]
+    assert sd.metrics["verify_steps"] > 0
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_draft_with_another_tokenizer():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "ssd_jax.decode", "--target", "smollm2-135m-instruct", "--draft",
+         "qwen2.5-coder-0.5b-instruct", "--method", "sd", "--prompt", "hi", "--max-new-tokens", "4"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    if "unknown model" in r.stderr or "could not download" in r.stderr:
+        pytest.skip("qwen draft not available offline")
+    assert r.returncode == 2, r.stderr[-1500:]
+    assert "different tokenizers" in r.stderr and "Traceback" not in r.stderr
