@@ -107,7 +107,9 @@ def filter_logprobs(logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) 
         xs = jnp.where(keep, xs, NEG_INF)
         ps = jax.nn.softmax(xs, axis=-1)
         mass_before = jnp.cumsum(ps, axis=-1) - ps
-        keep = keep & (mass_before < rs.top_p[expand][..., None])
+        top_p = rs.top_p[expand][..., None]
+        # top_p = 1 keeps everything (a float32 cumsum can reach 1 before the tail ends)
+        keep = keep & ((top_p >= 1.0) | (mass_before < top_p))
         keep_orig = jnp.zeros_like(keep)
         keep_orig = jnp.put_along_axis(keep_orig, order, keep, axis=-1, inplace=False)
         x = jnp.where(keep_orig, x, NEG_INF)

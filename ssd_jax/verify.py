@@ -33,9 +33,10 @@ q(x)·min(1, p(x)/q(x)) + (1 - Σ_y min(p(y), q(y)))·residual(x) = min(p, q)(x)
 = p(x). Chaining positions gives the target's joint distribution (tests/test_verify.py checks
 both analytically and by Monte Carlo).
 
-Randomness: each row gets its own key (``key`` may be one key, split per row, or a batch of
-(B,) keys, e.g. to make a row's draws independent of the batch it rides in); within a row
-the acceptance uniforms and the bonus draw use different sub-keys.
+Randomness: one block of K + V independent uniforms per row (K acceptance tests, then the
+Gumbel noise of the bonus draw), so rows are independent. ``key`` is either one key (the
+block is drawn for the whole batch) or a (B,) batch of row keys (each row's draws then
+depend only on its own key, not on the batch it rides in).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ from ssd_jax.sampling import RowSampling, filter_logprobs
 
 __all__ = [
     "VerifyResult",
-    "verify",
     "acceptance_prob",
-    "residual_distribution",
-    "expected_acceptance",
     "emitted_tokens",
+    "expected_acceptance",
+    "is_key_batch",
     "mark_point_mass",
+    "residual_distribution",
     "row_keys",
+    "verify",
 ]
 
 
@@ -146,18 +148,35 @@ def emitted_tokens(draft_tokens_BxK: jax.Array, res: VerifyResult, pad_id: int =
     return jnp.where(j == n, res.next_token[:, None], out).astype(jnp.int32)
 
 
-def row_keys(key: jax.Array, batch: int) -> jax.Array:
-    """One key per row: ``key`` itself if it is already a (B,) batch of keys, else split(key, B).
-
-    Accepts typed keys (``jax.random.key``) and raw uint32 keys (``jax.random.PRNGKey``).
-    """
+def is_key_batch(key: jax.Array) -> bool:
+    """True for a (B,) batch of keys, False for a single key (typed ``jax.random.key`` or raw uint32)."""
     typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-    batched = key.ndim == (1 if typed else 2)
-    if batched:
+    return key.ndim == (1 if typed else 2)
+
+
+def row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """A (B,) batch of row keys: ``key`` itself if it already is one, else split(key, B).
+
+    Passing row keys to :func:`verify` makes each row's draws depend only on its own key.
+    """
+    if is_key_batch(key):
         if key.shape[0] != batch:
             raise ValueError(f"got {key.shape[0]} row keys for a batch of {batch}")
         return key
     return jax.random.split(key, batch)
+
+
+def _uniforms(key: jax.Array, batch: int, n: int) -> jax.Array:
+    """(batch, n) independent float32 uniforms in [tiny, 1): per-row keys if given, else one key.
+
+    A single random-bits call: threefry is slow to compile on CPU, so verify uses one block
+    of uniforms per row (acceptance tests first, then the Gumbel noise of the bonus draw).
+    """
+    lo = jnp.finfo(jnp.float32).tiny
+    if is_key_batch(key):
+        keys = row_keys(key, batch)
+        return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32, lo, 1.0))(keys)
+    return jax.random.uniform(key, (batch, n), jnp.float32, lo, 1.0)
 
 
 # --------------------------------------------------------------------------- verify
@@ -175,7 +194,8 @@ def verify(
     """Verify a round of K proposals per row against the target (exact; see the module doc).
 
     Args:
-      key: one PRNG key (split per row) or a (B,) batch of row keys; typed or raw.
+      key: one PRNG key, or a (B,) batch of row keys; typed or raw uint32. Do not reuse a
+        key across rounds (fold in the step / split it in the caller).
       target_logits_BxKp1xV: raw target logits; [:, j] predicts the token after the first j
         proposals (j = 0..K).
       draft_tokens_BxK: proposals; entries at j >= n_draft[b] are ignored (any int, e.g. -1).
@@ -198,7 +218,7 @@ def verify(
     if draft_logprobs_BxKxV is not None and draft_logprobs_BxKxV.shape != (B, K, V):
         raise ValueError(f"draft logprobs {draft_logprobs_BxKxV.shape} != {(B, K, V)}")
 
-    keys = row_keys(key, B)
+    u_BxKpV = _uniforms(key, B, K + V)
     n_draft = jnp.clip(n_draft_B.astype(jnp.int32), 0, K)
     pos_K = jnp.arange(K, dtype=jnp.int32)[None, :]
     valid_BxK = pos_K < n_draft[:, None]
@@ -219,8 +239,8 @@ def verify(
     else:
         q_s = jnp.exp(_take_last(draft_logprobs_BxKxV.astype(jnp.float32), s_BxK))
     a_BxK = _accept_prob_from_values(p_s, q_s)
-    u_BxK = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0), (K,), jnp.float32))(keys)
-    s_ok = valid_BxK & (u_BxK < a_BxK)  # u in [0, 1): a == 1 always accepts, a == 0 never
+    u_BxK = u_BxKpV[:, :K]
+    s_ok = valid_BxK & (u_BxK < a_BxK)  # u in [tiny, 1): a == 1 always accepts, a == 0 never
     s_acc_BxK = jnp.cumprod(s_ok.astype(jnp.int32), axis=1).astype(bool)
 
     acc_BxK = jnp.where(sampled_B[:, None], s_acc_BxK, g_acc_BxK)
@@ -244,7 +264,9 @@ def verify(
         dist_logits = jnp.where(rejected[:, None], jnp.log(r_n), logp_n)
     else:
         dist_logits = logp_n
-    s_next = jax.vmap(lambda k, lg: jax.random.categorical(jax.random.fold_in(k, 1), lg))(keys, dist_logits)
+    # Gumbel-max draw (what jax.random.categorical does), reusing the row's one uniform block.
+    gumbel_BxV = -jnp.log(-jnp.log(u_BxKpV[:, K:]))
+    s_next = jnp.argmax(dist_logits + gumbel_BxV, axis=-1)
     next_token = jnp.where(sampled_B, s_next.astype(jnp.int32), g_next)
 
     return VerifyResult(n_accepted=n_acc, next_token=next_token, accepted_BxK=acc_BxK)
