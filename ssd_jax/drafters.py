@@ -65,12 +65,23 @@ def draft_prefill(params, cache, tokens_BxT, n_valid_B, *, cfg):
     return cache.with_lengths(cache.lengths + n_valid_B)
 
 
-def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter):
-    """K autoregressive draft steps in one call. Cache lengths in = committed context length."""
+def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up):
+    """K autoregressive draft steps in one call. Cache lengths in = committed context length.
+
+    ``catch_up`` (static) feeds ``[prev, cur]`` in the first step instead of ``[cur]``: needed
+    when some row accepted all K proposals last round, so the draft never fed its K-th token.
+    On XLA:CPU a 2-token step costs about two 1-token steps, so the host picks the 1-token
+    variant whenever no row needs the catch-up.
+    """
     start = cache.lengths
-    h, cache = llama.forward(params, cfg, jnp.stack([prev_B, cur_B], axis=1), cache.with_lengths(start - 1))
+    if catch_up:
+        h, cache = llama.forward(params, cfg, jnp.stack([prev_B, cur_B], axis=1), cache.with_lengths(start - 1))
+        h_last = h[:, 1]
+    else:
+        h, cache = llama.forward(params, cfg, cur_B[:, None], cache)
+        h_last = h[:, 0]
     cache = cache.with_lengths(start + 1)
-    lg = align_vocab(llama.logits(params, cfg, h[:, 1]), vocab)
+    lg = align_vocab(llama.logits(params, cfg, h_last), vocab)
 
     def draw(key, lg):
         return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
@@ -96,11 +107,14 @@ def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k,
 @functools.lru_cache(maxsize=64)
 def _draft_steps(cfg, k, vocab, needs_filter):
     pre = Compiled(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill")
-    prop = Compiled(
-        functools.partial(draft_propose, cfg=cfg, k=k, vocab=vocab, needs_filter=needs_filter),
-        donate_argnums=(1,),
-        name="draft_propose",
-    )
+    prop = {
+        c: Compiled(
+            functools.partial(draft_propose, cfg=cfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c),
+            donate_argnums=(1,),
+            name=f"draft_propose{'_catch_up' if c else ''}",
+        )
+        for c in (False, True)
+    }
     return pre, prop
 
 
@@ -117,7 +131,7 @@ class ModelDrafter:
 
     @property
     def compile_s(self) -> float:
-        return self._pre.compile_s + self._prop.compile_s
+        return self._pre.compile_s + sum(p.compile_s for p in self._prop.values())
 
     def start(self, tokens_BxT, n_valid_B, max_len: int, put) -> float:
         """Prefill the prompts; returns seconds spent compiling (prefill and propose)."""
@@ -130,18 +144,24 @@ class ModelDrafter:
         c = self._pre.precompile(*args)
         self.cache = self._pre(*args)
         self._n_draft = put(np.full((B,), self.k, np.int32))
+        self._catch_up = False  # prefill wrote the whole prompt; cur is the only new token
         return c
 
     def precompile(self, prev, cur, key, rs) -> float:
-        return self._prop.precompile(self.model.params, self.cache, prev, cur, key, rs)
+        return sum(p.precompile(self.model.params, self.cache, prev, cur, key, rs) for p in self._prop.values())
 
     def propose(self, prev_B, cur_B, key, rs, history=None) -> Proposal:
-        tokens, q, self.cache = self._prop(self.model.params, self.cache, prev_B, cur_B, key, rs)
+        prop = self._prop[self._catch_up]
+        tokens, q, self.cache = prop(self.model.params, self.cache, prev_B, cur_B, key, rs)
         return Proposal(tokens, self._n_draft, q)
 
-    def commit(self, lengths_B) -> None:
-        """Roll the draft cache to the committed context length (per row)."""
+    def commit(self, lengths_B, all_accepted: bool = True) -> None:
+        """Roll the draft cache to the committed context length (per row).
+
+        ``all_accepted``: some row accepted every proposal, so the next round must catch up.
+        """
         self.cache = self.cache.with_lengths(lengths_B)
+        self._catch_up = all_accepted
 
 
 # --- n-gram (prompt lookup) ---------------------------------------------------------------
@@ -192,7 +212,7 @@ class NgramDrafter:
             n[b] = len(got)
         return Proposal(self._put(toks), self._put(n), None)
 
-    def commit(self, lengths_B) -> None:
+    def commit(self, lengths_B, all_accepted: bool = True) -> None:
         pass
 
 
@@ -216,7 +236,7 @@ class RandomDrafter:
         toks = jax.random.randint(key, (B, self.k), 0, self.vocab, jnp.int32)
         return Proposal(toks, jnp.full((B,), self.k, jnp.int32), None)
 
-    def commit(self, lengths_B) -> None:
+    def commit(self, lengths_B, all_accepted: bool = True) -> None:
         pass
 
 

@@ -133,7 +133,8 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         d = time.perf_counter()
         t_draft, t_verify, t_sample = t_draft + (b_ - a), t_verify + (c - b_), t_sample + (d - c)
         cache = cache.with_lengths(lengths)
-        drafter.commit(draft_lengths)
+        # only live rows matter: a stopped row's draft cache may go stale, its output is final
+        drafter.commit(draft_lengths, all_accepted=bool((n_acc_h >= n_draft_h)[live].any()))
 
         # acceptance statistics over the rows still generating (vectorised: batches can be large)
         k_l, nd_l = n_acc_h[live], n_draft_h[live]

@@ -108,3 +108,29 @@ def test_cli_refuses_a_draft_with_another_tokenizer():
         pytest.skip("qwen draft not available offline")
     assert r.returncode == 2, r.stderr[-1500:]
     assert "different tokenizers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stop_strings_cut_the_text(ours):
+    sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
+    full = ssd_jax.generate(ours, [PROMPTS[0]], sp).outputs[0]
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = ssd_jax.generate(ours, [PROMPTS[0]], ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,)))
+    out = cut.outputs[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop)]
+    assert stop not in out["text"]
+    assert full["token_ids"][: len(out["token_ids"])] == out["token_ids"]  # same tokens up to the stop
+    # the same stop through SD (n-gram drafter: several tokens per round, cut mid-round)
+    sd = ssd_jax.generate(ours, [PROMPTS[0]], ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,)),
+                          ssd_jax.SpecConfig(method="sd", draft="ngram", k=4))
+    assert sd.outputs[0]["text"] == out["text"] and sd.outputs[0]["token_ids"] == out["token_ids"]
+
+
+def test_chat_template_is_applied(ours):
+    res = ssd_jax.generate(ours, ["What is 2+2?"], ssd_jax.SamplingParams(max_new_tokens=8), chat=True)
+    o = res.outputs[0]
+    templ = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert "<|im_start|>" in templ and o["prompt_tokens"] == len(ours.tokenizer.encode(templ))
+    assert o["text"].strip()
