@@ -134,18 +134,21 @@ class ModelDrafter:
         return self._pre.compile_s + sum(p.compile_s for p in self._prop.values())
 
     def start(self, tokens_BxT, n_valid_B, max_len: int, put) -> float:
-        """Prefill the prompts; returns seconds spent compiling (prefill and propose)."""
+        """Allocate the draft cache and compile its prefill; returns seconds spent compiling."""
         from ssd_jax.engine import _cache_for
 
         B = tokens_BxT.shape[0]
         self.cache = _cache_for(self.model, B, max_len)
         self._put = put
-        args = (self.model.params, self.cache, put(tokens_BxT), put(n_valid_B))
-        c = self._pre.precompile(*args)
-        self.cache = self._pre(*args)
+        self._prefill_args = (put(tokens_BxT), put(n_valid_B))
         self._n_draft = put(np.full((B,), self.k, np.int32))
-        self._catch_up = False  # prefill wrote the whole prompt; cur is the only new token
-        return c
+        self._catch_up = False  # prefill writes the whole prompt; cur is the only new token
+        return self._pre.precompile(self.model.params, self.cache, *self._prefill_args)
+
+    def prefill(self) -> None:
+        """Write the prompts into the draft cache (timed with the target's prefill)."""
+        self.cache = self._pre(self.model.params, self.cache, *self._prefill_args)
+        del self._prefill_args
 
     def precompile(self, prev, cur, key, rs) -> float:
         return sum(p.precompile(self.model.params, self.cache, prev, cur, key, rs) for p in self._prop.values())
@@ -199,6 +202,9 @@ class NgramDrafter:
         self._put = put
         return 0.0
 
+    def prefill(self) -> None:
+        pass
+
     def precompile(self, *a) -> float:
         return 0.0
 
@@ -227,6 +233,9 @@ class RandomDrafter:
 
     def start(self, *a, **kw) -> float:
         return 0.0
+
+    def prefill(self) -> None:
+        pass
 
     def precompile(self, *a) -> float:
         return 0.0

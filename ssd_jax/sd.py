@@ -100,6 +100,7 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
+    drafter.prefill()  # queued behind the target's prefill; both count towards ttft
     prev = put(np.asarray([r[-1] for r in rows_ids], np.int32))
     first = np.asarray(cur)
     ttft = time.perf_counter() - t0
