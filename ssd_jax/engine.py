@@ -262,9 +262,17 @@ def _generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResu
     if nxt is not None:
         nxt.block_until_ready()  # don't leave a step running into the next call's timing
 
+    metrics = speed_metrics(rows, wall, ttft, compile_s, n_valid)
+    metrics["steps"] = step
+    return GenerationResult([r.output() for r in rows], metrics, method="ar")
+
+
+def speed_metrics(rows: list[RowState], wall: float, ttft: float, compile_s: float, n_valid) -> dict[str, Any]:
+    """The metrics every method reports (the CLI's JSON contract)."""
+    B = len(rows)
     gen = sum(len(r.tokens) for r in rows)
     longest = max(len(r.tokens) for r in rows)
-    metrics = {
+    return {
         "generated_tokens": gen,
         "tokens_per_s": gen / wall if wall > 0 else 0.0,
         "ttft_s": ttft,
@@ -273,7 +281,5 @@ def _generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResu
         "compile_s": compile_s,
         "decode_tokens_per_s": (gen - B) / (wall - ttft) if wall > ttft and gen > B else 0.0,
         "batch_size": B,
-        "prompt_tokens": int(n_valid.sum()),
-        "steps": step,
+        "prompt_tokens": int(np.sum(n_valid)),
     }
-    return GenerationResult([r.output() for r in rows], metrics, method="ar")

@@ -29,7 +29,7 @@ import numpy as np
 
 from ssd_jax import runtime
 from ssd_jax.drafters import make_drafter
-from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch
+from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch, speed_metrics
 from ssd_jax.models import llama
 from ssd_jax.sampling import RowSampling
 from ssd_jax.verify import emitted_tokens, verify
@@ -160,8 +160,6 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
                     break
     wall = time.perf_counter() - t0
 
-    gen = sum(len(r.tokens) for r in rows)
-    longest = max(len(r.tokens) for r in rows)
     drafted, accepted = int(row_drafted.sum()), int(row_accepted.sum())
     rounds = int(row_rounds.sum())
     outputs = []
@@ -174,14 +172,7 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         }
         outputs.append(o)
     metrics = {
-        "generated_tokens": gen,
-        "tokens_per_s": gen / wall if wall > 0 else 0.0,
-        "ttft_s": ttft,
-        "tpot_s": (wall - ttft) / (longest - 1) if longest > 1 else 0.0,
-        "wall_s": wall,
-        "compile_s": compile_s,
-        "batch_size": B,
-        "prompt_tokens": int(n_valid.sum()),
+        **speed_metrics(rows, wall, ttft, compile_s, n_valid),
         "k": K,
         "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
         "verify_steps": step,
