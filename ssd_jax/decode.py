@@ -164,16 +164,9 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from ssd_jax.errors import UserError
+    from ssd_jax.errors import cli_main
 
-    try:
-        return run(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return cli_main(run, argv)
 
 
 if __name__ == "__main__":

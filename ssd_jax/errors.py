@@ -9,3 +9,17 @@ class UserError(Exception):
     """An error caused by the user's input; reported as one line, exit status 2."""
 
     exit_code = 2
+
+
+def cli_main(run, argv=None) -> int:
+    """Run a CLI entry point: a UserError becomes one line on stderr and its exit status."""
+    import sys
+
+    try:
+        return run(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -636,11 +636,9 @@ def _print_text(o: dict[str, Any]) -> None:
 
 
 def main(argv=None) -> int:
-    try:
-        return run(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+    from ssd_jax.errors import cli_main
+
+    return cli_main(run, argv)
 
 
 if __name__ == "__main__":
