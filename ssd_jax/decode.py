@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, default=4, help="speculative tokens per round")
     g.add_argument("--prompt-lookup-min", type=int, default=1)
     g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g = p.add_argument_group("speculative speculative decoding (--method ssd)")
+    g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
+                   "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
+    g.add_argument("--fan-out-budget", type=int, default=None, help="branches per sequence for geometric "
+                   "fan-out (default 2*(k+1))")
+    g.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting of cached tokens in "
+                   "the draft distribution, in [0, 1] (1 = plain sampling)")
+    g.add_argument("--backup", default="auto", help="cache-miss fallback: neural | ngram | random | auto "
+                   "(neural below the critical batch size b*, n-gram above)")
+    g.add_argument("--target-devices", type=int, default=None, help="target mesh size (tensor parallel)")
+    g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
+                   "target's); without either flag both models share one device")
+    g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -107,14 +120,27 @@ def run(argv=None) -> int:
         n=args.n,
     )
     sampling.validate()  # fail on bad flags before loading anything
+    if args.method in ("sd", "ssd") and args.draft is None:
+        from ssd_jax.drafters import default_draft
+
+        args.draft = default_draft(args.target)
     spec = SpecConfig(
         method=args.method,
         draft=args.draft,
         k=args.k,
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
+        fan_out=args.fan_out if args.fan_out == "geometric" else _int_flag("--fan-out", args.fan_out),
+        fan_out_budget=args.fan_out_budget,
+        saguaro_c=args.saguaro_c,
+        backup=args.backup,
+        target_devices=args.target_devices,
+        draft_devices=args.draft_devices,
     )
     spec.validate()
+    if args.trace and args.method != "ssd":
+        raise UserError("--trace records SSD rounds; use it with --method ssd")
+
     prompts = read_prompts(args)
     if not prompts:
         if args.prompts_file:
@@ -136,7 +162,8 @@ def run(argv=None) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    res = generate(model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None)
+    res = generate(model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None,
+                   trace=args.trace)
     m = res.metrics
     if args.json:
         print(json.dumps(res.to_json()))
@@ -160,7 +187,24 @@ def run(argv=None) -> int:
             f"overhead {m['overhead_s']:.2f}s",
             file=sys.stderr,
         )
+    if "cache_hit_rate" in m:
+        print(
+            f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "
+            f"tokens/round {m['tau_hit']:.2f} on hits, {m['tau_miss']:.2f} on misses; fan-out "
+            f"{m['fanout']['mode']} {m['fanout']['schedule']}; fallbacks {m['fallback_calls']}; "
+            f"build/verify overlap {m['overlap_fraction']:.2f}",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _int_flag(name, value) -> int:
+    from ssd_jax.errors import UserError
+
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name} must be an integer or 'geometric', got {value!r}") from None
 
 
 def main(argv=None) -> int:

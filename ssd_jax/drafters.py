@@ -249,6 +249,30 @@ class RandomDrafter:
         pass
 
 
+#: target registry name -> the draft used when --draft is not given (paths are relative to the repo)
+DEFAULT_DRAFTS = {
+    "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "smollm2-135m-instruct": "checkpoints/smollm2-135m-draft",
+}
+
+
+def default_draft(target: str) -> str:
+    """The default draft for a target name (a registry name, or a shipped checkpoint directory)."""
+    from pathlib import Path
+
+    from ssd_jax.errors import UserError
+
+    d = DEFAULT_DRAFTS.get(str(target))
+    if d is None:
+        raise UserError(f"no default draft for {target}; pass --draft NAME_OR_PATH (or ngram)")
+    if d.startswith("checkpoints/"):
+        path = Path(__file__).resolve().parents[1] / d
+        if not path.exists():
+            raise UserError(f"the default draft for {target} ({d}) is not in this checkout; pass --draft")
+        return str(path)
+    return d
+
+
 def make_drafter(spec, target, sampling, load) -> Any:
     """Build the drafter named by ``spec.draft`` for ``target`` (``load`` loads a model by name)."""
     d = spec.draft

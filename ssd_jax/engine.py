@@ -180,6 +180,7 @@ def generate(
     *,
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    trace: str | None = None,
 ) -> GenerationResult:
     """Generate continuations for ``prompts`` (strings, or lists of token ids).
 
@@ -190,6 +191,7 @@ def generate(
       spec: speculation config (default plain autoregressive decoding).
       chat: wrap each prompt as a user message in the model's chat template.
       on_text: streaming callback ``(row, new_text)``.
+      trace: SSD only: write a Chrome / Perfetto trace of the device work to this path.
 
     Returns:
       GenerationResult with one output per prompt and sample (``prompt``, ``text``,
@@ -201,9 +203,13 @@ def generate(
     spec.validate()
     if not prompts:
         raise UserError("no prompts given")
-    if spec.method == "ssd":
-        raise UserError("method 'ssd' is not implemented yet (available: ar, sd)")
     ids = encode_prompts(model, prompts, chat)
+    if spec.method == "ssd":
+        from ssd_jax import load_model
+        from ssd_jax.ssd import generate_ssd
+
+        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text,
+                            functools.partial(load_model, dtype=model.cfg.dtype), trace_path=trace)
     if spec.method == "sd":
         from ssd_jax import load_model
         from ssd_jax.sd import generate_sd

@@ -32,6 +32,7 @@ from ssd_jax.drafters import make_drafter
 from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch, speed_metrics
 from ssd_jax.models import llama
 from ssd_jax.sampling import RowSampling
+from ssd_jax.stats import AcceptanceStats
 from ssd_jax.verify import emitted_tokens, verify
 
 
@@ -50,6 +51,26 @@ def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B
     new_len = lengths_B + 1 + n
     # two output buffers: the target's and the draft's caches are donated separately
     return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
+
+
+def push_round(rows, live, emitted_h, n_acc_h, on_text, history=None) -> None:
+    """Hand a round's emitted tokens to the live rows (EOS / stop / length checks, streaming).
+
+    Row b emitted ``n_acc_h[b] + 1`` tokens; a row that stops mid-round drops the rest and
+    leaves ``live``. ``history`` (n-gram drafters) gets the tokens appended per row.
+    """
+    for b in np.flatnonzero(live):
+        r = rows[b]
+        new_toks = emitted_h[b, : n_acc_h[b] + 1]
+        if history is not None:
+            history[b] = np.concatenate([history[b], new_toks])
+        for t in new_toks.tolist():
+            new = r.push(t)
+            if new and on_text is not None:
+                on_text(b, new)
+            if r.done:
+                live[b] = False
+                break
 
 
 @functools.lru_cache(maxsize=64)
@@ -112,10 +133,7 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)] if uses_history else None
 
     t_draft = t_verify = t_sample = 0.0
-    hist = np.zeros(K + 1, np.int64)
-    pos_reached = np.zeros(K, np.int64)
-    pos_accepted = np.zeros(K, np.int64)
-    row_rounds, row_drafted, row_accepted = np.zeros(B, int), np.zeros(B, int), np.zeros(B, int)
+    stats = AcceptanceStats(B, K)
     live = np.array([not r.done for r in rows])
     step = 0
     while live.any():
@@ -137,49 +155,21 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         # only live rows matter: a stopped row's draft cache may go stale, its output is final
         drafter.commit(draft_lengths, all_accepted=bool((n_acc_h >= n_draft_h)[live].any()))
 
-        # acceptance statistics over the rows still generating (vectorised: batches can be large)
-        k_l, nd_l = n_acc_h[live], n_draft_h[live]
-        hist += np.bincount(k_l, minlength=K + 1)
-        j = np.arange(K)[None, :]
-        pos_reached += ((j <= k_l[:, None]) & (j < nd_l[:, None])).sum(0)
-        pos_accepted += (j < k_l[:, None]).sum(0)
-        row_rounds += live
-        row_drafted += np.where(live, n_draft_h, 0)
-        row_accepted += np.where(live, n_acc_h, 0)
-        for b in np.flatnonzero(live):
-            r = rows[b]
-            new_toks = emitted_h[b, : n_acc_h[b] + 1]
-            if uses_history:
-                history[b] = np.concatenate([history[b], new_toks])
-            for t in new_toks.tolist():
-                new = r.push(t)
-                if new and on_text is not None:
-                    on_text(b, new)
-                if r.done:
-                    live[b] = False
-                    break
+        stats.update(live, n_acc_h, n_draft_h)
+        push_round(rows, live, emitted_h, n_acc_h, on_text, history)
     wall = time.perf_counter() - t0
 
-    drafted, accepted = int(row_drafted.sum()), int(row_accepted.sum())
-    rounds = int(row_rounds.sum())
     outputs = []
     for b, r in enumerate(rows):
         o = r.output()
-        o["metrics"] = {
-            "verify_steps": int(row_rounds[b]),
-            "acceptance_rate": row_accepted[b] / row_drafted[b] if row_drafted[b] else 0.0,
-            "mean_acceptance_length": (row_accepted[b] + row_rounds[b]) / row_rounds[b] if row_rounds[b] else 0.0,
-        }
+        o["metrics"] = stats.row_metrics(b)
         outputs.append(o)
     metrics = {
         **speed_metrics(rows, wall, ttft, compile_s, n_valid),
         "k": K,
         "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
         "verify_steps": step,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_acceptance_length": (accepted + rounds) / rounds if rounds else 0.0,
-        "per_position_acceptance": [float(a / r) if r else 0.0 for a, r in zip(pos_accepted, pos_reached)],
-        "acceptance_histogram": hist.tolist(),
+        **stats.metrics(),
         "draft_s": t_draft,
         "verify_s": t_verify,
         "sample_s": t_sample,

@@ -25,7 +25,8 @@ class SpecConfig:
       k: speculative tokens per round (vLLM's num_speculative_tokens).
       prompt_lookup_min / prompt_lookup_max: n-gram sizes for the n-gram drafter.
       fan_out: SSD fan-out, an int (uniform) or "geometric".
-      fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs).
+      fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs); geometric
+        default 2·(K+1); a uniform fan-out F uses F·(K+1).
       saguaro_c: Saguaro down-weighting of cached tokens in the draft distribution (1 = off).
       backup: SSD cache-miss fallback: "neural", "ngram", "random" or "auto".
       target_devices / draft_devices: mesh sizes (None = automatic).
@@ -37,7 +38,7 @@ class SpecConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     fan_out: int | str = "geometric"
-    fan_out_budget: int = 8
+    fan_out_budget: int | None = None
     saguaro_c: float = 1.0
     backup: str = "auto"
     target_devices: int | None = None
@@ -53,6 +54,33 @@ class SpecConfig:
                 raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
             if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
                 raise UserError("need 1 <= prompt-lookup-min <= prompt-lookup-max")
+        if self.method == "ssd":
+            self._validate_ssd()
+
+    def _validate_ssd(self) -> None:
+        if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
+            raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as --backup")
+        if self.fan_out != "geometric":
+            try:
+                f = int(self.fan_out)
+            except (TypeError, ValueError):
+                raise UserError(f"fan-out must be an integer or 'geometric', got {self.fan_out!r}") from None
+            if f < 1:
+                raise UserError(f"fan-out must be >= 1, got {f}")
+            if self.fan_out_budget is not None and self.fan_out_budget != f * (self.k + 1):
+                raise UserError(
+                    f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
+                    f"or use --fan-out geometric"
+                )
+        if self.fan_out_budget is not None and self.fan_out_budget < 1:
+            raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
+        if not 0.0 <= self.saguaro_c <= 1.0:
+            raise UserError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
+        if self.backup not in ("neural", "ngram", "random", "auto"):
+            raise UserError(f"unknown backup {self.backup!r} (choose from neural, ngram, random, auto)")
+        for name, n in (("target", self.target_devices), ("draft", self.draft_devices)):
+            if n is not None and n < 1:
+                raise UserError(f"--{name}-devices must be >= 1, got {n}")
 
     @property
     def extra_cache_slots(self) -> int:

@@ -1,0 +1,51 @@
+"""Acceptance accounting shared by SD and SSD (per run and per request).
+
+``acceptance_rate`` = accepted / drafted proposals; ``mean_acceptance_length`` = tokens
+emitted per verify step INCLUDING the bonus token (so plain AR would score 1.0);
+``per_position_acceptance[j]`` = P(proposal j accepted | position j was reached and drafted);
+``acceptance_histogram[k]`` = rounds (over live rows) that accepted exactly k proposals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class AcceptanceStats:
+    def __init__(self, batch: int, k: int):
+        self.k = k
+        self.hist = np.zeros(k + 1, np.int64)
+        self.pos_reached = np.zeros(k, np.int64)
+        self.pos_accepted = np.zeros(k, np.int64)
+        self.row_rounds = np.zeros(batch, np.int64)
+        self.row_drafted = np.zeros(batch, np.int64)
+        self.row_accepted = np.zeros(batch, np.int64)
+
+    def update(self, live: np.ndarray, n_acc: np.ndarray, n_draft: np.ndarray) -> None:
+        """One verify round; only rows still generating (``live``) count."""
+        k_l, nd_l = n_acc[live], n_draft[live]
+        self.hist += np.bincount(k_l, minlength=self.k + 1)
+        j = np.arange(self.k)[None, :]
+        self.pos_reached += ((j <= k_l[:, None]) & (j < nd_l[:, None])).sum(0)
+        self.pos_accepted += (j < k_l[:, None]).sum(0)
+        self.row_rounds += live
+        self.row_drafted += np.where(live, n_draft, 0)
+        self.row_accepted += np.where(live, n_acc, 0)
+
+    def row_metrics(self, b: int) -> dict:
+        r, d, a = self.row_rounds[b], self.row_drafted[b], self.row_accepted[b]
+        return {
+            "verify_steps": int(r),
+            "acceptance_rate": float(a / d) if d else 0.0,
+            "mean_acceptance_length": float((a + r) / r) if r else 0.0,
+        }
+
+    def metrics(self) -> dict:
+        drafted, accepted = int(self.row_drafted.sum()), int(self.row_accepted.sum())
+        rounds = int(self.row_rounds.sum())
+        return {
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": (accepted + rounds) / rounds if rounds else 0.0,
+            "per_position_acceptance": [float(a / r) if r else 0.0 for a, r in zip(self.pos_accepted, self.pos_reached)],
+            "acceptance_histogram": self.hist.tolist(),
+        }
