@@ -1,4 +1,5 @@
-"""Model loading: registry names, GGUF files, Hugging Face directories, converted caches.
+"""Model loading: registry names, GGUF files, Hugging Face directories, converted caches,
+trained drafts (``ssd_jax.loading.draft``).
 
 ``load_model(name_or_path, dtype)`` returns a :class:`LoadedModel` (config, parameter
 pytree, tokenizer). GGUF sources (registered or by path) are converted once into
@@ -20,6 +21,7 @@ import numpy as np
 
 from ssd_jax.errors import UserError
 from ssd_jax.loading import registry
+from ssd_jax.loading.draft import is_draft_dir, open_draft
 from ssd_jax.loading.registry import REGISTRY, cache_root, converted_path
 from ssd_jax.loading.store import (
     check_dtype,
@@ -164,6 +166,8 @@ def _open(name_or_path: str | os.PathLike, dtype: str) -> tuple[NumpyModel, Iter
         return m, _cast(iter_converted(m.flat), dtype)
     p = Path(key).expanduser()
     if p.is_dir():
+        if is_draft_dir(p):  # a draft trained by ssd_jax.train: shared tensors come from its target
+            return open_draft(p, dtype, _open)
         if is_converted_dir(p):
             m = _from_converted(p, dtype)
             return m, _cast(iter_converted(m.flat), dtype)
@@ -174,8 +178,8 @@ def _open(name_or_path: str | os.PathLike, dtype: str) -> tuple[NumpyModel, Iter
             m = NumpyModel(p.name, cfg, {}, tok, hf_loader.weights_sha256(p), str(p))
             return m, _cast(tensors, dtype)
         raise UserError(
-            f"{p} is neither a Hugging Face model directory (config.json + *.safetensors) "
-            f"nor a converted model (manifest.json)"
+            f"{p} is neither a Hugging Face model directory (config.json + *.safetensors), "
+            f"a converted model (manifest.json) nor a trained draft (draft.json)"
         )
     if p.is_file():
         sha = _file_sha256(p)
