@@ -11,6 +11,8 @@ Results go to ``experiments/results/<suite>_<backend>.json`` and a markdown tabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -259,17 +261,164 @@ def render_sd(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# --- SSD suite --------------------------------------------------------------------------
+
+
+def _load_draft(name: str, target):
+    """A draft by name/path, or ``first-N-layers``: the target's own first N layers (a shared-vocabulary draft)."""
+    import dataclasses
+
+    import ssd_jax
+
+    if name.startswith("first-") and name.endswith("-layers"):
+        n = int(name.split("-")[1])
+        return dataclasses.replace(target, name=f"{target.name}-first-{n}-layers", cfg=target.cfg.replace(num_layers=n),
+                                   params={**target.params, "layers": target.params["layers"][:n]})
+    return ssd_jax.load_model(name)
+
+
+def _ssd_row(suite, cat, i, name, res, **extra) -> dict:
+    m = res.metrics
+    keep = {k: v for k, v in m.items() if not isinstance(v, dict) or k in ("fanout", "fallback_calls", "devices")}
+    return {"suite": suite, "category": cat, "prompt_index": i, "method": name, "loadavg": os.getloadavg(), **keep,
+            **extra}
+
+
+def _say(row) -> None:
+    m = row
+    extra = ""
+    if "acceptance_rate" in m:
+        extra += f", acc {m['acceptance_rate']:.2f}, tau {m['mean_acceptance_length']:.2f}"
+    if "cache_hit_rate" in m:
+        extra += (f", hit {m['cache_hit_rate']:.2f}, tau hit/miss {m['tau_hit']:.2f}/{m['tau_miss']:.2f}, "
+                  f"overlap {m['overlap_fraction']:.2f}")
+    print(f"{m['suite']} {m['category']}[{m.get('prompt_index', '')}] {m['method']} b={m['batch_size']}: "
+          f"{m['tokens_per_s']:.2f} tok/s{extra}", file=sys.stderr)
+
+
+def suite_ssd(args) -> dict:
+    """AR, SD and SSD side by side (same process, every method per prompt back to back).
+
+    Parts (``--parts``): ``main`` (per category, batch 1, greedy), ``fanout`` (geometric vs
+    uniform at T = 0 / 0.7 / 1), ``saguaro`` (the C sweep at T = 1: hit rate against
+    acceptance), ``batch`` (batch 1 / 4 / 16 with neural, n-gram and auto backup).
+    """
+    import ssd_jax
+    from ssd_jax import SamplingParams, SpecConfig
+    from ssd_jax.data import load_prompts
+
+    env = _env()
+    target = ssd_jax.load_model(args.target)
+    draft = _load_draft(args.draft, target)
+    K = args.ssd_k
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    ssd = functools.partial(SpecConfig, method="ssd", draft=draft, k=K)
+    rows = []
+
+    def run(part, cat, i, name, prompts, sampling, spec, **extra):
+        res = _run(target, prompts, sampling, spec)
+        row = _ssd_row(part, cat, i, name, res, temperature=sampling.temperature, **extra)
+        rows.append(row)
+        _say(row)
+
+    if "main" in args.parts:
+        methods = [("ar", SpecConfig()), (f"sd-k{K}", SpecConfig(method="sd", draft=draft, k=K)),
+                   (f"ssd-k{K}", ssd(backup="neural"))]
+        for cat in args.categories:
+            for i, p in enumerate(load_prompts(cat, n=args.n_prompts)):
+                for name, spec in methods:
+                    run("main", cat, i, name, [p["prompt"]], sp, spec)
+    code = [p["prompt"] for p in load_prompts("code", n=max(args.batch_sizes + [args.n_prompts]))]
+    if "fanout" in args.parts:
+        for temp in (0.0, 0.7, 1.0):
+            s2 = dataclasses.replace(sp, temperature=temp, seed=1)
+            for i, p in enumerate(code[: args.n_prompts]):
+                for name, spec in [("sd", SpecConfig(method="sd", draft=draft, k=K)),
+                                   ("ssd-geometric", ssd(backup="neural")),
+                                   ("ssd-uniform", ssd(backup="neural", fan_out=2))]:
+                    run("fanout", "code", i, name, [p], s2, spec)
+    if "saguaro" in args.parts:
+        s2 = dataclasses.replace(sp, temperature=1.0, seed=2)
+        for c in (1.0, 0.6, 0.3, 0.0):
+            for i, p in enumerate(code[: args.n_prompts]):
+                run("saguaro", "code", i, f"ssd-c{c}", [p], s2, ssd(backup="neural", saguaro_c=c), saguaro_c=c)
+    if "batch" in args.parts:
+        for bs in args.batch_sizes:
+            for name, spec in [("ar", SpecConfig()), ("sd", SpecConfig(method="sd", draft=draft, k=K)),
+                               ("ssd-neural", ssd(backup="neural")), ("ssd-ngram", ssd(backup="ngram")),
+                               ("ssd-auto", ssd(backup="auto"))]:
+                run("batch", "code", 0, name, code[:bs], sp, spec)
+    return {"suite": "ssd", "env": env, "target": target.name, "draft": draft.name, "k": K,
+            "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256}, "rows": rows}
+
+
+def render_ssd(res: dict) -> str:
+    import collections
+
+    e = res["env"]
+    out = [f"# AR / SD / SSD ({res['target']} target, {res['draft']} draft, K={res['k']}; {e['backend']}, "
+           f"jax {e['jax']}, commit {e['git_commit']}, {e['device_count']} device(s), {e['cpu_count']} cores)", "",
+           "Side by side in one process (every method per prompt back to back). Decode tok/s excludes prefill and "
+           "the first token (as the SSD paper reports); ratios are against AR (or SD) in the same group. "
+           "hit = cache hit rate over row-rounds; tau = tokens per round on hits / after misses; overlap = share "
+           "of the cache build that ran while the target verified (from the device-lane trace).", ""]
+    groups = collections.defaultdict(list)
+    for r in res["rows"]:
+        groups[(r["suite"], r["category"], r["temperature"], r["batch_size"], r["method"])].append(r)
+
+    def agg(rs):
+        dtok = sum(r["generated_tokens"] - r["batch_size"] for r in rs)
+        dwall = sum(r["wall_s"] - r["ttft_s"] for r in rs)
+        f = {"n": len(rs), "dtps": dtok / dwall if dwall > 0 else 0.0, "load": sum(r["loadavg"][0] for r in rs) / len(rs)}
+        for k in ("acceptance_rate", "mean_acceptance_length", "cache_hit_rate", "tau_hit", "tau_miss",
+                  "overlap_fraction", "draft_s", "verify_s", "draft_exposed_s", "overhead_s"):
+            vals = [r[k] for r in rs if k in r]
+            f[k] = sum(vals) / len(vals) if vals else None
+        return f
+
+    def fmt(x, p=2):
+        return "-" if x is None else f"{x:.{p}f}"
+
+    for part in ("main", "fanout", "saguaro", "batch"):
+        keys = [k for k in groups if k[0] == part]
+        if not keys:
+            continue
+        out += [f"## {part}", "", "| category | T | batch | method | prompts | decode tok/s | vs AR | vs SD | acceptance "
+                "| tokens/round | hit | tau hit | tau miss | overlap | draft s | exposed draft s | verify s | load avg |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k in sorted(keys, key=lambda k: (k[1], k[2], k[3])):
+            a = agg(groups[k])
+            base_ar = groups.get(k[:4] + ("ar",))
+            sd_name = next((kk[4] for kk in groups if kk[:4] == k[:4] and kk[4].startswith("sd")), None)
+            base_sd = groups.get(k[:4] + (sd_name,)) if sd_name else None
+            vs_ar = a["dtps"] / agg(base_ar)["dtps"] if base_ar else None
+            vs_sd = a["dtps"] / agg(base_sd)["dtps"] if base_sd else None
+            out.append(f"| {k[1]} | {k[2]} | {k[3]} | {k[4]} | {a['n']} | {a['dtps']:.2f} | {fmt(vs_ar)} "
+                       f"| {fmt(vs_sd)} | {fmt(a['acceptance_rate'])} | {fmt(a['mean_acceptance_length'])} "
+                       f"| {fmt(a['cache_hit_rate'])} | {fmt(a['tau_hit'])} | {fmt(a['tau_miss'])} "
+                       f"| {fmt(a['overlap_fraction'])} | {fmt(a['draft_s'], 1)} | {fmt(a['draft_exposed_s'], 1)} "
+                       f"| {fmt(a['verify_s'], 1)} | {a['load']:.2f} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _render(res: dict) -> str:
+    return {"ar": render_ar, "sd": render_sd, "ssd": render_ssd}[res["suite"]](res)
+
+
 def rerender(path: str) -> None:
     """Re-render a results JSON (e.g. after changing the table layout) without re-running it."""
     with open(path) as f:
         res = json.load(f)
     with open(path[:-5] + ".md", "w") as f:
-        f.write(render_ar(res) if res["suite"] == "ar" else render_sd(res))
+        f.write(_render(res))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd"])
+    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd"])
+    p.add_argument("--ssd-k", type=int, default=4)
+    p.add_argument("--parts", nargs="+", default=["main", "fanout", "saguaro", "batch"])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
@@ -291,15 +440,15 @@ def main(argv=None) -> int:
     if args.child_ar:
         print(json.dumps(ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
         return 0
-    if args.suite == "sd" and "--new-tokens" not in (argv or sys.argv):
+    if args.suite in ("sd", "ssd") and "--new-tokens" not in (argv or sys.argv):
         args.new_tokens = 64
-    res = suite_ar(args) if args.suite == "ar" else suite_sd(args)
+    res = {"ar": suite_ar, "sd": suite_sd, "ssd": suite_ssd}[args.suite](args)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(render_ar(res) if args.suite == "ar" else render_sd(res))
+        f.write(_render(res))
     print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
     return 0
 

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
                    "target's); without either flag both models share one device")
     g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
+    g.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host: "
+                   "run the same command on every host; meshes then span jax.devices() of all hosts)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -105,6 +107,10 @@ def read_prompts(args) -> list:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()  # coordinator / process ids from the environment (TPU, SLURM, or JAX_* vars)
     from ssd_jax.errors import UserError
     from ssd_jax.sampling import SamplingParams
     from ssd_jax.spec import SpecConfig

@@ -448,7 +448,9 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             raise UserError(f"fan-out must be >= 1 or 'geometric', got {spec.fan_out}")
         M = F * (K + 1)
     else:
-        M = spec.fan_out_budget if spec.fan_out_budget is not None else 2 * (K + 1)
+        # default: two branches per acceptance position, rounded up to fill every draft device
+        n_dd = 1 if spec.target_devices is None and spec.draft_devices is None else (spec.draft_devices or 1)
+        M = spec.fan_out_budget if spec.fan_out_budget is not None else -(-2 * (K + 1) // n_dd) * n_dd
         if M < 1:
             raise UserError(f"fan-out budget must be >= 1, got {M}")
     if not 0.0 <= spec.saguaro_c <= 1.0:

@@ -94,3 +94,38 @@ def test_sd_with_an_unverifiable_tokenizer_is_refused(tiny_llama_path):
     r = run_cli("--target", "smollm2-135m-instruct", "--draft", tiny_llama_path, "--method", "sd",
                 "--prompt", "hi", "--max-new-tokens", "4")
     assert_one_line_error(r, "share a tokenizer")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--method", "ssd", "--draft", "ngram"], "draft model"),
+        (["--method", "ssd", "--draft", "x", "--saguaro-c", "2"], "saguaro"),
+        (["--method", "ssd", "--draft", "x", "--fan-out", "many"], "fan-out"),
+        (["--method", "ssd", "--draft", "x", "--backup", "psychic"], "backup"),
+        (["--method", "sd", "--draft", "ngram", "--trace", "t.json"], "trace"),
+    ],
+)
+def test_bad_ssd_flags(args, needle):
+    assert_one_line_error(run_cli(*args), needle)
+
+
+def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
+    trace = tmp_path / "trace.json"
+    common = ["--target", tiny_llama_path, "--draft", tiny_llama_path, "--prompt-ids", "1,2,3", "--prompt-ids",
+              "4,5,6,7,8", "--max-new-tokens", "8", "--ignore-eos", "--json", "--k", "2"]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    r = run_cli(*common, "--method", "ssd", "--target-devices", "2", "--draft-devices", "2", "--trace", str(trace),
+                env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["method"] == "ssd"
+    for k in ("cache_hit_rate", "tau_hit", "tau_miss", "fallback_calls", "fanout", "acceptance_rate", "draft_s",
+              "verify_s", "sample_s", "overhead_s"):
+        assert k in d["metrics"]
+    assert d["metrics"]["cache_hit_rate"] == 1.0  # the draft is the target itself
+    ar = json.loads(run_cli(*common).stdout)
+    assert [o["token_ids"] for o in d["outputs"]] == [o["token_ids"] for o in ar["outputs"]]
+    assert any(e.get("name") == "build" for e in json.loads(trace.read_text())["traceEvents"])
+    r = run_cli(*common, "--method", "ssd", "--target-devices", "3", "--draft-devices", "2", env=env)
+    assert_one_line_error(r, "devices")

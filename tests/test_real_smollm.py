@@ -135,3 +135,19 @@ def test_chat_template_is_applied(ours):
     templ = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert "<|im_start|>" in templ and o["prompt_tokens"] == len(ours.tokenizer.encode(templ))
     assert o["text"].strip()
+
+
+@pytest.mark.parametrize("kw", [dict(fan_out="geometric", backup="neural"), dict(fan_out=1, backup="ngram")])
+def test_ssd_greedy_equals_ar_on_smollm(ours, kw):
+    """Real target; the draft is its first 8 layers (shares the vocabulary, agrees often enough to hit)."""
+    import dataclasses
+
+    cfg = ours.cfg.replace(num_layers=8)
+    draft = dataclasses.replace(ours, name="smollm2-first-8-layers", cfg=cfg,
+                                params={**ours.params, "layers": ours.params["layers"][:8]})
+    ids = [ours.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = ssd_jax.generate(ours, ids, sp)
+    res = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="ssd", draft=draft, k=3, **kw))
+    assert [o["token_ids"] for o in res.outputs] == [o["token_ids"] for o in ar.outputs]
+    assert res.metrics["cache_hit_rate"] > 0.0
