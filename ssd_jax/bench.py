@@ -431,6 +431,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default="experiments/results")
+    p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
     p.add_argument("--child-ar", help=argparse.SUPPRESS)
     p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
     args = p.parse_args(argv)
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
         args.new_tokens = 64
     res = {"ar": suite_ar, "sd": suite_sd, "ssd": suite_ssd}[args.suite](args)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}")
+    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}" + (f"_{args.tag}" if args.tag else ""))
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(stem + ".md", "w") as f:

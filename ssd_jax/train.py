@@ -171,22 +171,17 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in base)
 
 
-_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}
-
-
 def parse_size(s: str | float) -> float | None:
     """``"auto"`` -> None; "10M", "1.2e7", 5000 -> a positive parameter count."""
+    from ssd_jax.sdsl import _parse_size
+
     if isinstance(s, str) and s.strip().lower() == "auto":
         return None
-    t = str(s).strip().upper()
-    mult = 1.0
-    if t and t[-1] in _SUFFIX:
-        t, mult = t[:-1], _SUFFIX[t[-1]]
     try:
-        v = float(t) * mult
-    except ValueError:
-        raise UserError(f"--size must be 'auto' or a parameter count such as 10M, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 1):
+        v = _parse_size(str(s))
+    except UserError:
+        raise UserError(f"--size must be 'auto' or a positive parameter count such as 10M, got {s!r}") from None
+    if v < 1:
         raise UserError(f"--size must be 'auto' or a positive parameter count, got {s!r}")
     return v
 

@@ -56,3 +56,32 @@ def tiny_llama_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-main")
     _save_tiny("llama", path)
     return str(path)
+
+
+# --- tiny random target / draft pairs shared by the SD and SSD tests (built in numpy, no torch)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from test_sd import tiny_model
+
+    return tiny_model(0), tiny_model(1, layers=1)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(pair):
+    """Greedy AR token ids of the target of ``pair`` on test_sd.PROMPTS (20 tokens each)."""
+    from test_sd import PROMPTS, _ids
+
+    from ssd_jax import SamplingParams, generate
+
+    return _ids(generate(pair[0], PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True)))
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """Vocabulary-16 pair for the statistical tests: a peaky target and a flatter draft with the same
+    weight directions, so they agree often but not always (acceptance well inside (0, 1))."""
+    from test_sd import V_SMALL, tiny_model
+
+    return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(3, vocab=V_SMALL, scale=0.2, layers=1)

@@ -10,7 +10,7 @@ import pytest
 from test_sd import (
     N_SAMPLES,
     PROMPTS,
-    V_SMALL,
+    _ids,
     biased_verify,
     chi2_stat,
     chi2_threshold,
@@ -26,20 +26,6 @@ from ssd_jax.errors import UserError
 from ssd_jax.models import llama
 from ssd_jax.sampling import RowSampling, filter_logprobs
 from ssd_jax.verify import mark_point_mass
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_model(0), tiny_model(1, layers=1)
-
-
-@pytest.fixture(scope="module")
-def ar_ref(pair):
-    return _ids(generate(pair[0], PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True)))
-
-
-def _ids(res):
-    return [o["token_ids"] for o in res.outputs]
 
 
 # --- greedy equality ------------------------------------------------------------------------
@@ -179,11 +165,6 @@ SSD_STAT_CASES = [
     ("neural", 0.3, None, SamplingParams(temperature=0.7, top_p=0.9, seed=22)),
     ("random", 1.0, 1, SamplingParams(temperature=1.0, seed=23)),  # budget 1: misses are forced
 ]
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(3, vocab=V_SMALL, scale=0.2, layers=1)
 
 
 def biased_miss_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
