@@ -479,6 +479,10 @@ def _config_of(name_or_path: str):
         return load_numpy(key).cfg
     p = Path(key).expanduser()
     if p.is_dir():
+        from ssd_jax.loading import draft as draft_ckpt
+
+        if draft_ckpt.is_draft_dir(p):  # a trained draft (python -m ssd_jax.train)
+            return draft_ckpt.draft_config(draft_ckpt.read_meta(p))
         if store.is_converted_dir(p):
             return ModelConfig.from_dict(store.read_manifest(p)["config"])
         from ssd_jax.loading import hf_loader

@@ -132,6 +132,14 @@ def test_metadata(run_a, env):
     assert best["step"] == best["best"]["step"]
 
 
+def test_sdsl_counts_a_trained_draft(run_a, env):
+    from ssd_jax import sdsl
+
+    meta = dfmt.read_meta(env / "a")
+    got = sdsl.model_params(str(env / "a"))
+    assert got["non_embedding"] == meta["params"]["trained"]
+
+
 def test_checkpoint_loads_as_a_draft(run_a, env):
     from ssd_jax import SamplingParams, SpecConfig, generate
 
