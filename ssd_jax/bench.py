@@ -434,7 +434,21 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
     p.add_argument("--child-ar", help=argparse.SUPPRESS)
     p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
+    p.add_argument("--sweep", metavar="CONFIG_JSON", help="run (or resume) a sweep: one JSON line per configuration "
+                   "in <out>/<name>.jsonl, then its report (see ssd_jax/sweep.py)")
+    p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
     args = p.parse_args(argv)
+    if args.sweep or args.report:
+        from ssd_jax import sweep
+        from ssd_jax.errors import cli_main
+
+        def go(_):
+            path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
+            md, png = sweep.report(path)
+            print(f"wrote {md} and {png}", file=sys.stderr)
+            return 0
+
+        return cli_main(go, None)
     if args.render:
         rerender(args.render)
         return 0
