@@ -160,9 +160,9 @@ def test_scripted_outcomes_hit_and_miss():
 
 # --- statistical exactness ---------------------------------------------------------------------------
 
-SSD_STAT_CASES = [
-    ("neural", 0.3, None, SamplingParams(temperature=1.0, seed=21)),
-    ("neural", 0.3, None, SamplingParams(temperature=0.7, top_p=0.9, seed=22)),
+SSD_STAT_CASES = [  # (backup, Saguaro C, fan-out budget, sampling); small budgets keep 20k-row runs cheap
+    ("neural", 0.3, 3, SamplingParams(temperature=1.0, seed=21)),
+    ("neural", 0.3, 3, SamplingParams(temperature=0.7, top_p=0.9, seed=22)),
     ("random", 1.0, 1, SamplingParams(temperature=1.0, seed=23)),  # budget 1: misses are forced
 ]
 
