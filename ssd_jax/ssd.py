@@ -88,8 +88,6 @@ from ssd_jax.stats import AcceptanceStats
 from ssd_jax.trace import Timeline, lane_for
 from ssd_jax.verify import mark_point_mass
 
-BACKUPS = ("neural", "ngram", "random", "auto")
-
 
 # --------------------------------------------------------------------------- Saguaro sampling
 
@@ -436,25 +434,16 @@ def _intersection(x, y) -> float:
 
 
 def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=None) -> GenerationResult:
+    # the spec was validated by generate() (SpecConfig._validate_ssd): backup, fan-out, budget, C
     K = spec.k
-    if spec.backup not in BACKUPS:
-        raise UserError(f"unknown backup {spec.backup!r} (choose from {', '.join(BACKUPS)})")
-    if spec.draft is None or (isinstance(spec.draft, str) and spec.draft in ("ngram", "random")):
-        raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); n-gram and random serve as --backup")
     uniform = spec.fan_out != "geometric"
     if uniform:
         F = int(spec.fan_out)
-        if F < 1:
-            raise UserError(f"fan-out must be >= 1 or 'geometric', got {spec.fan_out}")
         M = F * (K + 1)
     else:
         # default: two branches per acceptance position, rounded up to fill every draft device
         n_dd = 1 if spec.target_devices is None and spec.draft_devices is None else (spec.draft_devices or 1)
         M = spec.fan_out_budget if spec.fan_out_budget is not None else -(-2 * (K + 1) // n_dd) * n_dd
-        if M < 1:
-            raise UserError(f"fan-out budget must be >= 1, got {M}")
-    if not 0.0 <= spec.saguaro_c <= 1.0:
-        raise UserError(f"saguaro-c must be in [0, 1], got {spec.saguaro_c}")
 
     draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
     check_same_tokenizer(model, draft)
