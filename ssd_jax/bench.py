@@ -6,6 +6,10 @@ to the memory-bandwidth roofline: weight bytes read per token / measured read ba
 The load average is recorded beside every number: these machines are shared.
 
 Results go to ``experiments/results/<suite>_<backend>.json`` and a markdown table beside it.
+
+Suites ``smoke`` and ``paper`` are lists of resumable sweeps (:data:`ssd_jax.sweep.SUITES`):
+``python -m ssd_jax.bench --suite smoke`` writes ``experiments/results/smoke/`` (one JSON line
+per configuration, markdown tables and plots, an index ``README.md``).
 """
 
 from __future__ import annotations
@@ -416,7 +420,9 @@ def rerender(path: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd"])
+    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper"],
+                   help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/sweep.py) "
+                        "written to <out>/<suite>/ with a report")
     p.add_argument("--ssd-k", type=int, default=4)
     p.add_argument("--parts", nargs="+", default=["main", "fanout", "saguaro", "batch"])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -449,6 +455,19 @@ def main(argv=None) -> int:
             return 0
 
         return cli_main(go, None)
+    if args.suite in ("smoke", "paper"):
+        from ssd_jax import sweep
+        from ssd_jax.errors import cli_main
+
+        given = argv if argv is not None else sys.argv[1:]
+        override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
+
+        def go_suite(_):
+            index = sweep.run_suite(args.suite, args.out, **override)
+            print(f"wrote {index}", file=sys.stderr)
+            return 0
+
+        return cli_main(go_suite, None)
     if args.render:
         rerender(args.render)
         return 0

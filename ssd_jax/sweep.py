@@ -43,14 +43,24 @@ DEFAULTS = {"k": 4, "fan_out": "geometric", "saguaro_c": 1.0, "backup": "auto", 
             "category": "code"}
 
 
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"sweep config not found: {p}")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p}: invalid JSON ({e.msg} at line {e.lineno})") from None
+def read_config(path: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+    """A sweep config from a JSON file (or an already-parsed dict), checked."""
+    if isinstance(path, dict):
+        cfg, p = dict(path), Path(f"{path.get('name', 'sweep')}.json")
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"sweep config not found: {p}")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if cfg.get("kind") == "oracle":
+        for key in ("target", "draft"):
+            if key not in cfg:
+                raise UserError(f"{p}: missing {key!r}")
+        cfg.setdefault("name", p.stem)
+        return cfg
     for key in ("target", "grid"):
         if key not in cfg:
             raise UserError(f"{p}: missing {key!r}")
@@ -128,16 +138,24 @@ def _spec(c: dict[str, Any], draft):
                       backup=c["backup"])
 
 
+def category_prompts(category: str, n: int) -> list[dict]:
+    """Prompts of a dataset category (``code``, ``chat``, ``math``) or ``copy`` (prompt-copying tasks)."""
+    from ssd_jax import data
+
+    if category == "copy":
+        return list(data.copy_task_prompts(n))
+    return data.load_prompts(category, n=n)
+
+
 def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration over the config's prompts (batches of ``batch_size``); one result row."""
     import dataclasses
 
     from ssd_jax import SamplingParams, generate
-    from ssd_jax.data import load_prompts
 
     n_prompts = int(cfg.get("n_prompts", 2))
     bs = int(c["batch_size"])
-    prompts = [p["prompt"] for p in load_prompts(c["category"], n=max(n_prompts, bs) * bs)][: max(n_prompts // bs, 1) * bs]
+    prompts = [p["prompt"] for p in category_prompts(c["category"], max(n_prompts, bs) * bs)][: max(n_prompts // bs, 1) * bs]
     sp = SamplingParams(temperature=float(c["temperature"]), seed=int(cfg.get("seed", 0)),
                         max_new_tokens=int(cfg.get("new_tokens", 64)), ignore_eos=True)
     spec = _spec(c, draft)
@@ -176,14 +194,25 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
     return row
 
 
-def run_sweep(config_path: str, out_dir: str = "experiments/results") -> Path:
-    """Run (or resume) a sweep; returns the results file."""
+def _resolve_draft(name: str | None, target_name: str) -> str | None:
+    """``"default"`` is the target's default draft (e.g. the shipped trained checkpoint)."""
+    if name == "default":
+        from ssd_jax.drafters import default_draft
+
+        return default_draft(target_name)
+    return name
+
+
+def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experiments/results") -> Path:
+    """Run (or resume) a sweep given by a config file or dict; returns the results file."""
     from tqdm import tqdm
 
     import ssd_jax
     from ssd_jax.bench import _env, _load_draft
 
-    cfg = read_config(config_path)
+    cfg = read_config(config)
+    if cfg.get("kind") == "oracle":
+        return run_oracle(cfg, out_dir)
     configs = expand(cfg["grid"])
     os.makedirs(out_dir, exist_ok=True)
     path = Path(out_dir) / f"{cfg['name']}.jsonl"
@@ -194,7 +223,8 @@ def run_sweep(config_path: str, out_dir: str = "experiments/results") -> Path:
     if not todo:
         return path
     target = ssd_jax.load_model(cfg["target"])
-    draft = _load_draft(cfg["draft"], target) if cfg.get("draft") else None
+    draft_name = _resolve_draft(cfg.get("draft"), cfg["target"])
+    draft = _load_draft(draft_name, target) if draft_name else None
     env = _env()
     env["models"] = {target.name: target.weights_sha256, **({draft.name: draft.weights_sha256} if draft else {})}
     for c in (bar := tqdm(todo, desc=cfg["name"], unit="config")):
@@ -206,11 +236,118 @@ def run_sweep(config_path: str, out_dir: str = "experiments/results") -> Path:
     return path
 
 
+def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
+    """Oracle bounds and n-gram vs draft by prompt-output overlap (greedy; see :mod:`ssd_jax.oracle`).
+
+    Per prompt: the target's greedy output (AR, stopping at EOS), the draft's teacher-forced
+    greedy matches on it, then the rounds each proposer would take. One JSON line per prompt.
+    """
+    from tqdm import tqdm
+
+    import ssd_jax
+    from ssd_jax import SamplingParams, generate, oracle
+    from ssd_jax.bench import _env, _load_draft
+    from ssd_jax.engine import encode_prompts
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = Path(out_dir) / f"{cfg['name']}.jsonl"
+    k, n = int(cfg.get("k", 4)), int(cfg.get("n_prompts", 4))
+    todo = [(cat, i, p) for cat in cfg.get("categories", ["code", "chat", "math", "copy"])
+            for i, p in enumerate(category_prompts(cat, n)[:n])]
+    done = {r.get("key") for r in read_results(path)}
+    todo = [t for t in todo if f"{t[0]}/{t[1]}" not in done]
+    print(f"oracle {cfg['name']}: {len(todo)} prompts to run, results in {path}", file=sys.stderr)
+    if not todo:
+        return path
+    target = ssd_jax.load_model(cfg["target"])
+    draft = _load_draft(_resolve_draft(cfg["draft"], cfg["target"]), target)
+    env = _env()
+    env["models"] = {target.name: target.weights_sha256, draft.name: draft.weights_sha256}
+    sp = SamplingParams(max_new_tokens=int(cfg.get("new_tokens", 64)))
+    for cat, i, p in tqdm(todo, desc=cfg["name"], unit="prompt"):
+        prompt_ids = encode_prompts(target, [p["prompt"]], chat=bool(cfg.get("chat", True)))[0]
+        out_ids = generate(target, [prompt_ids], sp).outputs[0]["token_ids"]
+        if len(out_ids) < 2:
+            continue
+        tokens = list(prompt_ids) + list(out_ids)
+        matches = oracle.teacher_forced_matches(draft, tokens, len(prompt_ids))
+        res = oracle.analyze(prompt_ids, out_ids, matches, k)
+        append_row(path, {"kind": "oracle", "key": f"{cat}/{i}", "category": cat, "prompt_id": p.get("id"), "k": k, **res,
+                          "env": {**env, "loadavg": os.getloadavg()}})
+    return path
+
+
+# Built-in suites: lists of sweep configs. "draft": "default" is the target's default draft.
+_SMOLLM = {"target": "smollm2-135m-instruct", "draft": "default"}
+SUITES: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "about": "AR / SD / n-gram / SSD on SmolLM2-135M with its shipped draft, two categories, 32 tokens, "
+                 "and the oracle bounds on two prompts per category (under 10 minutes on a 2-core CPU).",
+        "sweeps": [
+            {"name": "smoke_methods", **_SMOLLM, "new_tokens": 32, "n_prompts": 1,
+             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["auto"],
+                      "category": ["code", "chat"]}},
+            {"name": "smoke_oracle", "kind": "oracle", **_SMOLLM, "k": 4, "new_tokens": 48, "n_prompts": 2,
+             "categories": ["code", "copy"]},
+        ],
+    },
+    "paper": {
+        "about": "The papers' tables at small scale on SmolLM2-135M and its shipped draft: the main table "
+                 "(1), temperature x fan-out (2), batch size x backup with the time breakdown (3, 5), the "
+                 "Saguaro C sweep (4), and the oracle bounds with n-gram vs draft by BLEU-4 bin (6, 7).",
+        "sweeps": [
+            {"name": "paper_main", **_SMOLLM, "new_tokens": 64, "n_prompts": 4,
+             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["auto"],
+                      "category": ["code", "chat", "math"]}},
+            {"name": "paper_temperature", **_SMOLLM, "new_tokens": 64, "n_prompts": 3,
+             "grid": {"method": ["ar", "sd", "ssd"], "k": [4], "fan_out": [2, "geometric"], "backup": ["neural"],
+                      "temperature": [0.0, 0.3, 0.7, 1.0], "category": ["chat"]}},
+            {"name": "paper_batch", **_SMOLLM, "new_tokens": 48, "n_prompts": 4,
+             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["neural", "ngram", "auto"],
+                      "batch_size": [1, 4, 8, 16], "category": ["code"]}},
+            {"name": "paper_saguaro", **_SMOLLM, "new_tokens": 64, "n_prompts": 3,
+             "grid": {"method": ["ssd"], "k": [4], "saguaro_c": [0.0, 0.25, 0.5, 0.75, 1.0], "backup": ["neural"],
+                      "temperature": [1.0], "category": ["chat"]}},
+            {"name": "paper_oracle", "kind": "oracle", **_SMOLLM, "k": 4, "new_tokens": 96, "n_prompts": 8,
+             "categories": ["code", "chat", "math", "copy"]},
+        ],
+    },
+}
+
+
+def run_suite(name: str, out_dir: str = "experiments/results", target: str | None = None,
+              draft: str | None = None) -> Path:
+    """Run (or resume) every sweep of a built-in suite into ``<out_dir>/<name>/``, report each,
+    and write the suite's index ``README.md`` there; returns the index."""
+    if name not in SUITES:
+        raise UserError(f"unknown suite {name!r} (suites: {', '.join(SUITES)})")
+    suite = SUITES[name]
+    d = Path(out_dir) / name
+    made = []
+    for cfg in suite["sweeps"]:
+        cfg = {**cfg, **({"target": target} if target else {}), **({"draft": draft} if draft else {})}
+        path = run_sweep(cfg, str(d))
+        made.append((cfg, path, *report(path)))
+    lines = [f"# Suite `{name}`", "", suite["about"], "",
+             f"Re-run (resumes; finished configurations are skipped): `python -m ssd_jax.bench --suite {name}`", ""]
+    for cfg, path, md, png in made:
+        lines.append(f"- [{cfg['name']}]({md.name}) ({path.name}" + (f", [plot]({png.name})" if png else "") + ")")
+    index = d / "README.md"
+    index.write_text("\n".join(lines) + "\n")
+    return index
+
+
 # --- report -------------------------------------------------------------------------------
 
 
-def report(results_path: str | os.PathLike) -> tuple[Path, Path]:
-    """Markdown table and a matplotlib plot (decode tok/s per configuration, by category) beside the results."""
+def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
+    """Markdown tables and a matplotlib plot beside the results; returns (markdown, plot).
+
+    Tables: decode speed, acceptance and cache hits per configuration; the time breakdown
+    (draft, verify, sampling, overhead as shares of the round time; SSD's exposed draft time);
+    for a Saguaro C sweep a second plot of cache hit rate against acceptance (the SSD paper's
+    Fig. 5). Oracle results get the oracle tables instead (:func:`ssd_jax.oracle.render_markdown`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -220,6 +357,8 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path]:
     rows = read_results(p)
     if not rows:
         raise UserError(f"no results in {p}")
+    if rows[0].get("kind") == "oracle":
+        return _report_oracle(p, rows)
     cats = sorted({r["config"]["category"] for r in rows})
     base = {(r["config"]["category"], r["config"]["batch_size"], r["config"]["temperature"]): r["decode_tokens_per_s"]
             for r in rows if r["config"]["method"] == "ar"}
@@ -231,9 +370,10 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path]:
     lines = [f"# Sweep {p.stem}", "",
              f"{e.get('backend')} ({e.get('device_kind')}, {e.get('device_count')} device(s)), jax {e.get('jax')}, "
              f"commit {e.get('git_commit')}; models {e.get('models')}. Decode tok/s excludes prefill and the first "
-             "token; 'vs AR' compares with AR at the same category, batch size and temperature.", "",
-             "| configuration | category | prompts | decode tok/s | vs AR | tok/s/device | acceptance | tokens/round "
-             "| hit | tau hit | tau miss | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "token and counts every sequence of the batch (throughput); per-seq divides by the batch size. "
+             "'vs AR' compares with AR at the same category, batch size and temperature.", "",
+             "| configuration | category | prompts | decode tok/s | per-seq tok/s | vs AR | tok/s/device | acceptance "
+             "| tokens/round | hit | tau hit | tau miss | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x):
         return "-" if x is None else f"{x:.2f}"
@@ -242,12 +382,16 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path]:
         c = r["config"]
         b = base.get((c["category"], c["batch_size"], c["temperature"]))
         lines.append(f"| {label(c)} | {c['category']} | {r['prompts']} | {r['decode_tokens_per_s']:.2f} "
+                     f"| {r['decode_tokens_per_s'] / c['batch_size']:.2f} "
                      f"| {f(r['decode_tokens_per_s'] / b if b else None)} | {r['tokens_per_s_per_device']:.2f} "
                      f"| {f(r.get('acceptance_rate'))} | {f(r.get('mean_acceptance_length'))} "
                      f"| {f(r.get('cache_hit_rate'))} | {f(r.get('tau_hit'))} | {f(r.get('tau_miss'))} "
                      f"| {r['env']['loadavg'][0]:.2f} |")
+    lines += _breakdown_table(rows, label)
     md = p.with_suffix(".md")
-    md.write_text("\n".join(lines) + f"\n\n![decode tok/s]({p.stem}.png)\n")
+    extra_png = _saguaro_plot(p, rows, plt)
+    md.write_text("\n".join(lines) + f"\n\n![decode tok/s]({p.stem}.png)\n"
+                  + (f"\n![cache hit rate against acceptance]({extra_png.name})\n" if extra_png else ""))
 
     labels = list(dict.fromkeys(label(r["config"]) for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(cats) / 2), 4))
@@ -265,3 +409,54 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path]:
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return md, png
+
+
+BREAKDOWN = ("draft_s", "verify_s", "sample_s", "overhead_s")
+
+
+def _breakdown_table(rows: list[dict[str, Any]], label) -> list[str]:
+    """The vLLM study's time breakdown: each part's share of the decode time, per configuration."""
+    rows = [r for r in rows if all(k in r for k in BREAKDOWN)]
+    if not rows:
+        return []
+    out = ["", "## Time breakdown", "",
+           "Shares of the summed part times (draft, verify, sampling and rejection, host overhead). For SSD the "
+           "draft runs beside the verify; 'exposed' is the draft time nothing else overlapped.", "",
+           "| configuration | category | draft | verify | sampling | overhead | exposed draft s | total s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tot = sum(r[k] for k in BREAKDOWN) or 1.0
+        exp = r.get("draft_exposed_s")
+        out.append(f"| {label(r['config'])} | {r['config']['category']} | "
+                   + " | ".join(f"{r[k] / tot:.0%}" for k in BREAKDOWN)
+                   + f" | {'-' if exp is None else f'{exp:.2f}'} | {tot:.2f} |")
+    return out
+
+
+def _saguaro_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path | None:
+    pts = [r for r in rows if r["config"]["method"] == "ssd" and "cache_hit_rate" in r]
+    if len({r["config"]["saguaro_c"] for r in pts}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for r in pts:
+        ax.scatter(r["acceptance_rate"], r["cache_hit_rate"], color="C0")
+        ax.annotate(f"C={r['config']['saguaro_c']}", (r["acceptance_rate"], r["cache_hit_rate"]), fontsize=8)
+    ax.set_xlabel("acceptance rate")
+    ax.set_ylabel("cache hit rate")
+    ax.set_title(f"{p.stem}: Saguaro C trades acceptance for hits")
+    fig.tight_layout()
+    out = p.with_name(p.stem + "_hit_vs_acceptance.png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _report_oracle(p: Path, rows: list[dict[str, Any]]) -> tuple[Path, Path | None]:
+    from ssd_jax import oracle
+
+    e = rows[0]["env"]
+    md = p.with_suffix(".md")
+    md.write_text(f"# {p.stem}\n\n{e.get('backend')}, commit {e.get('git_commit')}; models {e.get('models')}; "
+                  f"K = {rows[0]['k']}, greedy, {len(rows)} prompts.\n\n"
+                  + oracle.render_markdown(oracle.aggregate(rows)) + "\n")
+    return md, None
