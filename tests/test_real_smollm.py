@@ -73,9 +73,10 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-@pytest.mark.parametrize("drafter", ["tiny", "ngram"])
+@pytest.mark.parametrize("drafter", ["tiny", "ngram", "shipped"])
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
-    """Real target, a different draft (a tiny random model sharing its vocabulary) or n-gram lookup."""
+    """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
+    or the trained draft shipped in checkpoints/ (the default draft of this target)."""
     import dataclasses
 
     from ssd_jax.models.params import init_params
@@ -84,6 +85,10 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
         cfg = ours.cfg.replace(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
                                head_dim=16)
         draft = dataclasses.replace(ours, name="tiny-random-draft", cfg=cfg, params=init_params(cfg, 0, scale=0.05))
+    elif drafter == "shipped":
+        from ssd_jax.drafters import default_draft
+
+        draft = ssd_jax.load_model(default_draft("smollm2-135m-instruct"))
     else:
         draft = "ngram"
     ids = [ours.tokenizer.encode(p) for p in PROMPTS[:3]]
@@ -92,6 +97,8 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     sd = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="sd", draft=draft, k=3))
     assert [o["token_ids"] for o in sd.outputs] == [o["token_ids"] for o in ar.outputs]
     assert sd.metrics["verify_steps"] > 0
+    if drafter == "shipped":  # trained, not random: it agrees with the target well above chance
+        assert sd.metrics["acceptance_rate"] > 0.1
 
 
 @pytest.mark.slow

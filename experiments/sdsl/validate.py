@@ -3,7 +3,7 @@ the measured throughput-optimal size with the law's N_opt.
 
 For each draft in ``checkpoints/sdsl/*/`` (its ``best/`` export): held-out perplexity and
 acceptance alpha (from the training evals), then SD decode tok/s against the SmolLM2-135M
-target at K = 2, 4, 6, greedy, with AR measured in the same run (before and after, for the
+target at K = 1, 2, 4, greedy, with AR measured in the same run (before and after, for the
 drift). Writes ``experiments/results/sdsl_validation.{jsonl,md,png}``; resumable: drafts
 already measured (same draft sha256) are skipped.
 
@@ -180,7 +180,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     if not args.report_only:
