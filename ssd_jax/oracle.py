@@ -50,7 +50,7 @@ def _ngram_counts(tokens: Sequence[int], n: int) -> Counter:
     return Counter(tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1))
 
 
-def bleu4(candidate: Sequence[int], reference: Sequence[int]) -> float:
+def bleu4(candidate: Sequence[int], reference: Sequence[int], brevity_penalty: bool = True) -> float:
     """Sentence-level BLEU-4 of ``candidate`` (the output) against one ``reference`` (the prompt).
 
     ``exp(mean_n log p_n) * BP`` over n = 1..4, where p_n is the modified (clipped) n-gram
@@ -58,7 +58,8 @@ def bleu4(candidate: Sequence[int], reference: Sequence[int]) -> float:
     Smoothing: add-one for n >= 2 (p_n = (matches + 1) / (candidate n-grams + 1), Lin & Och's
     "BLEU+1"); unigrams are not smoothed, so no shared token at all gives 0. The brevity
     penalty is ``exp(1 - r / c)`` when the candidate (length c) is shorter than the
-    reference (length r), else 1. An empty candidate scores 0.0.
+    reference (length r), else 1 (``brevity_penalty=False``: always 1). An empty candidate
+    scores 0.0.
     """
     cand, ref = [int(x) for x in candidate], [int(x) for x in reference]
     c, r = len(cand), len(ref)
@@ -73,7 +74,7 @@ def bleu4(candidate: Sequence[int], reference: Sequence[int]) -> float:
         if matches + smooth == 0:
             return 0.0
         log_p += math.log((matches + smooth) / (total + smooth))
-    bp = 1.0 if c > r else math.exp(1.0 - r / c)
+    bp = 1.0 if c > r or not brevity_penalty else math.exp(1.0 - r / c)
     return bp * math.exp(log_p / 4)
 
 
@@ -223,7 +224,9 @@ def analyze(
     ngram = ngram_accept_lengths(prompt + output, len(prompt), k, n_min, n_max)
     draft = run_lengths(draft_matches, k)
     lengths = {"ngram": ngram, "draft": draft, "oracle": oracle_lengths(n, k), "combine": combine(ngram, draft)}
-    score = bleu4(output, prompt)
+    # overlap of the output with the prompt: BLEU-4 without the brevity penalty, which would
+    # punish every output shorter than its prompt (most of them) whatever it copied
+    score = bleu4(output, prompt, brevity_penalty=False)
     return {
         "prompt_len": len(prompt),
         "output_len": n,

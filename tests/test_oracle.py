@@ -89,6 +89,7 @@ def test_bleu4_hand_computed():
 def test_bleu4_brevity_penalty():
     ref = list(range(8))
     assert bleu4(ref[:4], ref) == pytest.approx(math.exp(1 - 8 / 4))  # all precisions 1
+    assert bleu4(ref[:4], ref, brevity_penalty=False) == pytest.approx(1.0)  # the overlap measure analyze uses
     assert bleu4(ref, ref[:4]) < 1.0  # longer candidate: no BP, but precision drops
     assert bleu4(ref + ref[:4], ref) == pytest.approx(bleu4(ref + ref[:4], ref + [99]))  # c > r either way
 
