@@ -444,30 +444,23 @@ def main(argv=None) -> int:
                    "in <out>/<name>.jsonl, then its report (see ssd_jax/sweep.py)")
     p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
     args = p.parse_args(argv)
-    if args.sweep or args.report:
-        from ssd_jax import sweep
-        from ssd_jax.errors import cli_main
-
-        def go(_):
-            path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
-            md, png = sweep.report(path)
-            print(f"wrote {md} and {png}", file=sys.stderr)
-            return 0
-
-        return cli_main(go, None)
-    if args.suite in ("smoke", "paper"):
+    if args.sweep or args.report or args.suite in ("smoke", "paper"):
         from ssd_jax import sweep
         from ssd_jax.errors import cli_main
 
         given = argv if argv is not None else sys.argv[1:]
         override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
 
-        def go_suite(_):
-            index = sweep.run_suite(args.suite, args.out, **override)
-            print(f"wrote {index}", file=sys.stderr)
+        def go(_):
+            if args.sweep or args.report:
+                path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
+                written = " and ".join(str(x) for x in sweep.report(path) if x)
+            else:
+                written = sweep.run_suite(args.suite, args.out, **override)
+            print(f"wrote {written}", file=sys.stderr)
             return 0
 
-        return cli_main(go_suite, None)
+        return cli_main(go, None)
     if args.render:
         rerender(args.render)
         return 0

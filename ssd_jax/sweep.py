@@ -203,12 +203,23 @@ def _resolve_draft(name: str | None, target_name: str) -> str | None:
     return name
 
 
+def _load_pair(cfg: dict[str, Any]):
+    """(target, draft or None, environment with both models' weight hashes) of a sweep config."""
+    import ssd_jax
+    from ssd_jax.bench import _env, _load_draft
+
+    target = ssd_jax.load_model(cfg["target"])
+    draft_name = _resolve_draft(cfg.get("draft"), cfg["target"])
+    draft = _load_draft(draft_name, target) if draft_name else None
+    env = _env()
+    env["models"] = {target.name: target.weights_sha256, **({draft.name: draft.weights_sha256} if draft else {})}
+    return target, draft, env
+
+
 def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experiments/results") -> Path:
     """Run (or resume) a sweep given by a config file or dict; returns the results file."""
     from tqdm import tqdm
 
-    import ssd_jax
-    from ssd_jax.bench import _env, _load_draft
 
     cfg = read_config(config)
     if cfg.get("kind") == "oracle":
@@ -222,11 +233,7 @@ def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experi
           file=sys.stderr)
     if not todo:
         return path
-    target = ssd_jax.load_model(cfg["target"])
-    draft_name = _resolve_draft(cfg.get("draft"), cfg["target"])
-    draft = _load_draft(draft_name, target) if draft_name else None
-    env = _env()
-    env["models"] = {target.name: target.weights_sha256, **({draft.name: draft.weights_sha256} if draft else {})}
+    target, draft, env = _load_pair(cfg)
     for c in (bar := tqdm(todo, desc=cfg["name"], unit="config")):
         bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in c.items()))
         t = time.perf_counter()
@@ -244,9 +251,7 @@ def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
     """
     from tqdm import tqdm
 
-    import ssd_jax
     from ssd_jax import SamplingParams, generate, oracle
-    from ssd_jax.bench import _env, _load_draft
     from ssd_jax.engine import encode_prompts
 
     os.makedirs(out_dir, exist_ok=True)
@@ -259,10 +264,7 @@ def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
     print(f"oracle {cfg['name']}: {len(todo)} prompts to run, results in {path}", file=sys.stderr)
     if not todo:
         return path
-    target = ssd_jax.load_model(cfg["target"])
-    draft = _load_draft(_resolve_draft(cfg["draft"], cfg["target"]), target)
-    env = _env()
-    env["models"] = {target.name: target.weights_sha256, draft.name: draft.weights_sha256}
+    target, draft, env = _load_pair(cfg)
     sp = SamplingParams(max_new_tokens=int(cfg.get("new_tokens", 64)))
     for cat, i, p in tqdm(todo, desc=cfg["name"], unit="prompt"):
         prompt_ids = encode_prompts(target, [p["prompt"]], chat=bool(cfg.get("chat", True)))[0]
