@@ -143,7 +143,9 @@ def run(argv=None) -> int:
         target_devices=args.target_devices,
         draft_devices=args.draft_devices,
     )
-    spec.validate()
+    import jax
+
+    spec.validate(n_devices=len(jax.devices()))
     if args.trace and args.method != "ssd":
         raise UserError("--trace records SSD rounds; use it with --method ssd")
 

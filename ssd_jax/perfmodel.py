@@ -170,6 +170,22 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+def hardware_for_device(platform: str, device_kind: str = "", itemsize: int = 4) -> Hardware:
+    """The table entry closest to a JAX device (``device.platform``, ``device.device_kind``).
+
+    A static guess, never a measurement: the SSD engine uses it for decisions that must not
+    depend on wall-clock timings (the ``auto`` backup), so a seeded run is reproducible.
+    """
+    kind = device_kind.lower()
+    if platform == "gpu":
+        name = "h200" if "h200" in kind else "a100-80gb" if "a100" in kind else "h100-sxm"
+    elif platform == "tpu":
+        name = "tpu-v5e"
+    else:
+        name = "cpu"
+    return HARDWARE[name].replace(bytes_per_param=itemsize)
+
+
 def get_hardware(name: str) -> Hardware:
     try:
         return HARDWARE[name.lower()]

@@ -44,22 +44,35 @@ class SpecConfig:
     target_devices: int | None = None
     draft_devices: int | None = None
 
-    def validate(self) -> None:
+    def validate(self, n_devices: int | None = None) -> None:
+        """Raise UserError for any value out of range (whatever the method, so a typo in an
+        SSD flag is reported even with ``--method ar``), then for combinations the method
+        cannot run. ``n_devices``: devices available, to check the mesh sizes against."""
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        if self.method != "ar":
-            if self.k < 1:
-                raise UserError(f"k must be >= 1, got {self.k}")
-            if self.draft is None:
-                raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-                raise UserError("need 1 <= prompt-lookup-min <= prompt-lookup-max")
+        if self.k < 1:
+            raise UserError(f"k must be >= 1, got {self.k}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise UserError(
+                f"need 1 <= prompt-lookup-min <= prompt-lookup-max, got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max}"
+            )
+        self._validate_ranges(n_devices)
+        if self.method != "ar" and self.draft is None:
+            raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
         if self.method == "ssd":
-            self._validate_ssd()
+            if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
+                raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as "
+                                "--backup")
+            if self.fan_out != "geometric" and self.fan_out_budget is not None:
+                f = int(self.fan_out)
+                if self.fan_out_budget != f * (self.k + 1):
+                    raise UserError(
+                        f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
+                        f"or use --fan-out geometric"
+                    )
 
-    def _validate_ssd(self) -> None:
-        if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
-            raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as --backup")
+    def _validate_ranges(self, n_devices: int | None) -> None:
         if self.fan_out != "geometric":
             try:
                 f = int(self.fan_out)
@@ -67,20 +80,21 @@ class SpecConfig:
                 raise UserError(f"fan-out must be an integer or 'geometric', got {self.fan_out!r}") from None
             if f < 1:
                 raise UserError(f"fan-out must be >= 1, got {f}")
-            if self.fan_out_budget is not None and self.fan_out_budget != f * (self.k + 1):
-                raise UserError(
-                    f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
-                    f"or use --fan-out geometric"
-                )
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
-        if not 0.0 <= self.saguaro_c <= 1.0:
+        if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan
             raise UserError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
         if self.backup not in ("neural", "ngram", "random", "auto"):
             raise UserError(f"unknown backup {self.backup!r} (choose from neural, ngram, random, auto)")
         for name, n in (("target", self.target_devices), ("draft", self.draft_devices)):
             if n is not None and n < 1:
                 raise UserError(f"--{name}-devices must be >= 1, got {n}")
+        if n_devices is not None and (self.target_devices is not None or self.draft_devices is not None):
+            t, d = self.target_devices or 1, self.draft_devices or 1
+            if t + d > n_devices:
+                raise UserError(
+                    f"asked for {t} target + {d} draft devices but only {n_devices} device(s) exist"
+                )
 
     @property
     def extra_cache_slots(self) -> int:

@@ -55,6 +55,7 @@ __all__ = [
     "expected_acceptance",
     "is_key_batch",
     "mark_point_mass",
+    "next_token_logprobs",
     "residual_distribution",
     "row_keys",
     "verify",
@@ -133,6 +134,18 @@ def mark_point_mass(draft_logprobs_BxKxV: jax.Array, point_mass_BxK: jax.Array) 
     that have no distribution (fast backup: n-gram / random), per row or per position.
     """
     return jnp.where(point_mass_BxK[..., None], -jnp.inf, draft_logprobs_BxKxV)
+
+
+def next_token_logprobs(logp_BxV: jax.Array, q_BxV: jax.Array, rejected_B: jax.Array) -> jax.Array:
+    """Log of the distribution the token after the accepted ones is drawn from, per row.
+
+    The residual normalise(max(0, p - q)) where the proposal at that position was rejected,
+    else p itself (the bonus token after a fully accepted round, or a row with no proposals).
+    ``logp`` is the filtered target log-distribution there, ``q`` the draft's probabilities
+    (a one-hot row for a point-mass proposal).
+    """
+    r = residual_distribution(jnp.exp(logp_BxV), q_BxV)
+    return jnp.where(rejected_B[:, None], jnp.log(r), logp_BxV)
 
 
 def emitted_tokens(draft_tokens_BxK: jax.Array, res: VerifyResult, pad_id: int = -1) -> jax.Array:
@@ -260,8 +273,7 @@ def verify(
             lq_n = jnp.take_along_axis(draft_logprobs_BxKxV, j[:, None, None], axis=1)[:, 0]
             q_n = jnp.exp(lq_n.astype(jnp.float32))
             q_n = jnp.where(_take_last(q_n, s_n)[:, None] > 0, q_n, point_n)
-        r_n = residual_distribution(jnp.exp(logp_n), q_n)
-        dist_logits = jnp.where(rejected[:, None], jnp.log(r_n), logp_n)
+        dist_logits = next_token_logprobs(logp_n, q_n, rejected)
     else:
         dist_logits = logp_n
     # Gumbel-max draw (what jax.random.categorical does), reusing the row's one uniform block.

@@ -1,0 +1,334 @@
+"""Engine-level exactness: every emitted token over long horizons, against an independent reference.
+
+Statistical tests (see ``tests/README.md`` for each one's sample size and power):
+
+* ``test_emissions_follow_the_target`` - SD (model / n-gram / random drafters) and SSD
+  (neural / n-gram / random / auto backups, Saguaro C in {0, 0.3, 1}) at T = 1, T = 0.7 with
+  top-p 0.9 and T = 0.7 with top-k 5. One batch of 4 prompts of lengths 1, 3, 7 and 12, each
+  sampled ``N_ROWS`` times, 32 new tokens per row with K = 4, the first token included. Every
+  emitted token is scored against the target's conditional distribution given that row's
+  actual prefix, computed by ``reference.np_logits`` (numpy float64, full context, no KV cache,
+  no JAX), and the randomised PIT values are tested for uniformity, pooled and per offset
+  within the round (``reference.goodness_of_fit``).
+* ``test_negative_control_fails`` - five deliberately wrong engines, each injected by a
+  monkeypatch of one function, must FAIL the same test on the same configuration the real
+  engine passes.
+* ``test_power`` - the test rejects a sampler with a known total-variation bias of the
+  stated size on the real run's conditionals, and accepts exact redraws.
+
+The partly agreeing draft (the target's weights plus noise, acceptance about 0.6) makes rounds
+accept every count from 0 to K, so full acceptances, bonus tokens and cache hits at every
+depth all occur; the greedy tests check its accept counts round by round against an offline
+simulation from the greedy traces, which catches draft-cache rollback and catch-up bugs that
+greedy token equality cannot see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import collect, goodness_of_fit, greedy_continuation, noisy_copy
+from test_sd import PROMPTS, tiny_model
+
+from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax import sd as sd_mod
+from ssd_jax import ssd as ssd_mod
+from ssd_jax import verify as verify_mod
+from ssd_jax.sampling import filter_logprobs
+
+K = 4
+NEW_TOKENS = 32
+STAT_PROMPTS = [[3], [5, 9, 2], [1, 4, 1, 5, 9, 2, 6], [7, 7, 3, 2, 8, 1, 0, 4, 4, 6, 2, 3]]
+#: samples per prompt; SSD_JAX_STAT_ROWS raises it (the slow set uses 8x)
+N_ROWS = int(os.environ.get("SSD_JAX_STAT_ROWS", "64"))
+
+T1 = SamplingParams(temperature=1.0)
+TOP_P = SamplingParams(temperature=0.7, top_p=0.9)
+TOP_K = SamplingParams(temperature=0.7, top_k=5)
+
+
+@pytest.fixture(scope="module")
+def agree_pair():
+    """Vocabulary-16 target and a draft = target + N(0, 0.01) noise: acceptance about 0.6 at T = 1."""
+    target = tiny_model(7, vocab=16, scale=0.3, layers=2)
+    return target, noisy_copy(target, 0.01, seed=1)
+
+
+def _spec(method, drafter, c=1.0, draft=None):
+    if method == "sd":
+        return SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=K)
+    return SpecConfig(method="ssd", draft=draft, k=K, backup=drafter, saguaro_c=c)
+
+
+def run_and_score(pair, method, drafter, c, sampling, seed, n_rows=None):
+    target, draft = pair
+    sp = dataclasses.replace(sampling, n=n_rows or N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed)
+    res = generate(target, STAT_PROMPTS, sp, _spec(method, drafter, c, draft))
+    em = collect(target, STAT_PROMPTS, res.outputs, K, sp)
+    return goodness_of_fit(em, seed=seed), res.metrics, em
+
+
+CASES = [  # (method, drafter or backup, Saguaro C, sampling)
+    ("sd", "model", 1.0, T1),
+    ("sd", "model", 1.0, TOP_P),
+    ("sd", "model", 1.0, TOP_K),
+    ("sd", "ngram", 1.0, T1),
+    ("sd", "ngram", 1.0, TOP_K),
+    ("sd", "random", 1.0, T1),
+    ("sd", "random", 1.0, TOP_P),
+    ("ssd", "neural", 1.0, T1),
+    ("ssd", "neural", 0.3, TOP_P),
+    ("ssd", "neural", 0.0, TOP_K),
+    ("ssd", "random", 0.3, T1),
+    ("ssd", "ngram", 1.0, T1),
+    ("ssd", "ngram", 0.0, TOP_K),
+    ("ssd", "random", 1.0, TOP_P),
+    ("ssd", "auto", 1.0, T1),
+    ("ssd", "auto", 0.3, TOP_K),
+]
+
+
+def _case_id(c):
+    s = c[3]
+    samp = "T1" if s is T1 else "topp" if s is TOP_P else "topk"
+    return f"{c[0]}-{c[1]}-C{c[2]}-{samp}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_emissions_follow_the_target(agree_pair, case):
+    method, drafter, c, sampling = case
+    rep, m, em = run_and_score(agree_pair, method, drafter, c, sampling, seed=100 + CASES.index(case))
+    assert not rep.rejected, str(rep)
+    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    # the paths under test really ran
+    if drafter in ("model", "neural", "auto") and c == 1.0:  # Saguaro C < 1 lowers acceptance by design
+        assert 0.3 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
+        assert min(m["acceptance_histogram"]) > 0, m["acceptance_histogram"]  # every count 0..K, bonus included
+        assert K in rep.strata  # the bonus tokens after full acceptance were tested on their own
+    if method == "ssd":  # both the cache-hit and the fallback paths ran (C = 0 pushes the hit rate up)
+        assert 0.05 < m["cache_hit_rate"] < 0.995, m["cache_hit_rate"]
+
+
+# --------------------------------------------------------------------------- negative controls
+
+
+def _clear_compiled():
+    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps):
+        cached.cache_clear()
+
+
+def _unweighted_saguaro(monkeypatch):
+    """(a) cache-hit q without the Saguaro reweighting: tokens drawn from sigma_{F,C}, verified against q."""
+    real = ssd_mod.draft_sample
+
+    def draft_sample(key, logits, rs, fan, *, needs_filter, greedy, c, f_max):
+        toks, lp = real(key, logits, rs, fan, needs_filter=needs_filter, greedy=greedy, c=c, f_max=f_max)
+        return toks, (None if lp is None else filter_logprobs(logits, rs, needs_filter))
+
+    monkeypatch.setattr(ssd_mod, "draft_sample", draft_sample)
+
+
+def _q_shifted_by_one_depth(monkeypatch):
+    """(b) the cached draft distributions stored one depth off (q of step d+1 kept with token d)."""
+    real = ssd_mod.build_tree
+
+    def build_tree(*a, **kw):
+        tree, cache = real(*a, **kw)
+        return dataclasses.replace(tree, q=jnp.roll(tree.q, -1, axis=2)), cache
+
+    monkeypatch.setattr(ssd_mod, "build_tree", build_tree)
+
+
+def _unmarked_fallback(monkeypatch):
+    """(c) fast-fallback proposals merged into the speculation without the point-mass mark."""
+    monkeypatch.setattr(ssd_mod, "mark_point_mass", lambda q, mask: q)
+
+
+def _residual_q_minus_p(monkeypatch):
+    """(d) the residual computed as max(0, q - p) instead of max(0, p - q)."""
+    real = verify_mod.residual_distribution
+    monkeypatch.setattr(verify_mod, "residual_distribution", lambda p, q: real(q, p))
+
+
+def _bonus_from_q(monkeypatch):
+    """(e) the bonus token after a fully accepted round drawn from the draft's q instead of the target's p."""
+    real = verify_mod.next_token_logprobs
+
+    def next_token_logprobs(logp_n, q_n, rejected):
+        return jnp.where(rejected[:, None], real(logp_n, q_n, rejected), jnp.log(q_n))
+
+    monkeypatch.setattr(verify_mod, "next_token_logprobs", next_token_logprobs)
+
+
+CONTROLS = [  # (bug, configuration: one of CASES, which the real engine passes)
+    (_unweighted_saguaro, ("ssd", "random", 0.3, T1)),  # random backup: q only reaches verify on cache hits
+    (_q_shifted_by_one_depth, ("ssd", "random", 0.3, T1)),
+    (_unmarked_fallback, ("ssd", "ngram", 1.0, T1)),
+    (_residual_q_minus_p, ("sd", "model", 1.0, T1)),
+    (_bonus_from_q, ("sd", "model", 1.0, T1)),
+]
+
+
+@pytest.mark.parametrize("bug,case", CONTROLS, ids=[b.__name__.strip("_") for b, _ in CONTROLS])
+def test_negative_control_fails(agree_pair, monkeypatch, bug, case):
+    assert case in CASES
+    method, drafter, c, sampling = case
+    bug(monkeypatch)
+    _clear_compiled()
+    try:
+        rep, m, _ = run_and_score(agree_pair, method, drafter, c, sampling, seed=500 + CASES.index(case))
+    finally:
+        monkeypatch.undo()
+        _clear_compiled()
+    assert rep.rejected, f"the biased engine passed: {rep}"
+
+
+# --------------------------------------------------------------------------- power
+
+
+#: total-variation bias per token that the default-size test must detect (README: measured power)
+DETECTABLE_TV = 0.05
+
+
+@pytest.fixture(scope="module")
+def real_emissions(agree_pair):
+    return run_and_score(agree_pair, "sd", "model", 1.0, T1, seed=100)[2]
+
+
+@pytest.mark.parametrize("kind", ["to_top", "to_tail"])
+def test_power(real_emissions, kind):
+    """On the real run's conditionals: exact redraws pass, a TV bias of DETECTABLE_TV per token fails."""
+    rng = np.random.default_rng(7)
+    exact = real_emissions.biased(0.0, kind, rng)
+    assert not goodness_of_fit(exact, seed=1).rejected
+    for seed in range(3):
+        biased = real_emissions.biased(DETECTABLE_TV, kind, np.random.default_rng(seed))
+        assert goodness_of_fit(biased, seed=seed).rejected, (kind, seed)
+
+
+# --------------------------------------------------------------------------- greedy: accept counts
+
+
+@pytest.fixture(scope="module")
+def greedy_pair():
+    """The vocabulary-128 target of the other tests and a noisy copy of it (greedy agreement about 0.6)."""
+    target = tiny_model(0)
+    return target, noisy_copy(target, 0.02, seed=2)
+
+
+GREEDY_NEW = 32
+#: mixed lengths (1 to 12 tokens), so rows sit at different cache offsets and finish rounds out of step
+GREEDY_PROMPTS = PROMPTS + [[40, 41], [100, 3, 100, 3, 100, 3, 7, 9, 11], [12, 64, 5], [127, 0, 33, 8, 90, 2, 61, 17, 4, 4, 4, 20]]
+
+
+@pytest.fixture(scope="module")
+def greedy_traces(greedy_pair):
+    """AR tokens (K extra, for the verifier's view past the budget) and the simulated accept counts."""
+    target, draft = greedy_pair
+    ar = generate(target, GREEDY_PROMPTS, SamplingParams(max_new_tokens=GREEDY_NEW + K + 1, ignore_eos=True))
+    sims = []
+    for prompt, o in zip(GREEDY_PROMPTS, ar.outputs):
+        g = o["token_ids"]
+        t, counts = 1, []  # the first token comes from the prefill
+        while t < GREEDY_NEW:
+            proposal = greedy_continuation(draft, list(prompt) + g[:t], K)
+            n = 0
+            while n < K and proposal[n] == g[t + n]:
+                n += 1
+            counts.append(n)
+            t += n + 1
+        sims.append(counts)
+    return [o["token_ids"][:GREEDY_NEW] for o in ar.outputs], sims
+
+
+def _greedy(pair, spec):
+    return generate(pair[0], GREEDY_PROMPTS, SamplingParams(max_new_tokens=GREEDY_NEW, ignore_eos=True), spec)
+
+
+def test_greedy_sd_accept_counts_match_simulation(greedy_pair, greedy_traces):
+    ar, sims = greedy_traces
+    res = _greedy(greedy_pair, SpecConfig(method="sd", draft=greedy_pair[1], k=K))
+    assert [o["token_ids"] for o in res.outputs] == ar
+    got = [o["metrics"]["accepted_per_round"] for o in res.outputs]
+    assert got == sims
+    assert res.metrics["verify_steps"] == max(len(s) for s in sims)
+    assert [o["metrics"]["verify_steps"] for o in res.outputs] == [len(s) for s in sims]
+    hist = np.bincount(np.concatenate(sims), minlength=K + 1)
+    assert res.metrics["acceptance_histogram"] == hist.tolist()
+    assert hist.min() > 0, hist  # every accept count, full acceptance included, occurred
+
+
+def _fallbacks_expected(outputs) -> int:
+    """1 (the first round has no cache) + rounds after which some still-live row missed the cache."""
+    rounds_with_miss = set()
+    for o in outputs:
+        for r, hit in enumerate(o["metrics"]["cache_hit_per_round"]):
+            if r > 0 and not hit:
+                rounds_with_miss.add(r)
+    return 1 + len(rounds_with_miss)
+
+
+def test_greedy_ssd_accept_counts_hits_and_fallbacks(greedy_pair, greedy_traces):
+    """Neural backup: hits and misses both hand over the draft's greedy chain, so accept counts equal SD's."""
+    ar, sims = greedy_traces
+    res = _greedy(greedy_pair, SpecConfig(method="ssd", draft=greedy_pair[1], k=K, backup="neural"))
+    assert [o["token_ids"] for o in res.outputs] == ar
+    assert [o["metrics"]["accepted_per_round"] for o in res.outputs] == sims
+    m = res.metrics
+    assert 0.0 < m["cache_hit_rate"] < 1.0, m["cache_hit_rate"]
+    hits = [o["metrics"]["cache_hit_per_round"] for o in res.outputs]
+    assert not any(h[0] for h in hits)  # round 1 has no cache
+    # a hit after every accepted count: the cache served every depth of the tree
+    depths = {s[r - 1] for s, h in zip(sims, hits) for r in range(1, len(h)) if h[r]}
+    assert depths == set(range(K + 1)), depths
+    assert sum(m["fallback_calls"].values()) == m["fallback_calls"]["neural"] == _fallbacks_expected(res.outputs)
+    n_hits = sum(sum(h) for h in hits)
+    assert m["cache_hit_rate"] == pytest.approx(n_hits / sum(len(h) - 1 for h in hits))  # lookups that were used
+
+
+@pytest.mark.parametrize("backup", ["ngram", "random", "auto"])
+def test_greedy_ssd_fast_backups(greedy_pair, greedy_traces, backup):
+    ar, _ = greedy_traces
+    res = _greedy(greedy_pair, SpecConfig(method="ssd", draft=greedy_pair[1], k=K, backup=backup))
+    assert [o["token_ids"] for o in res.outputs] == ar
+    m = res.metrics
+    assert 0.0 < m["cache_hit_rate"] < 1.0
+    assert sum(m["fallback_calls"].values()) == _fallbacks_expected(res.outputs)
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+@pytest.mark.parametrize("backup", ["neural", "ngram", "random", "auto"])
+def test_seeded_ssd_is_reproducible(agree_pair, backup):
+    target, draft = agree_pair
+    sp = SamplingParams(temperature=1.0, seed=5, max_new_tokens=16, ignore_eos=True, n=8)
+    spec = SpecConfig(method="ssd", draft=draft, k=K, backup=backup, saguaro_c=0.3)
+    a = generate(target, STAT_PROMPTS, sp, spec)
+    b = generate(target, STAT_PROMPTS, sp, spec)
+    assert [o["token_ids"] for o in a.outputs] == [o["token_ids"] for o in b.outputs]
+    assert a.metrics["fallback_calls"] == b.metrics["fallback_calls"]
+    assert a.metrics["backup_model"] == b.metrics["backup_model"]
+    c = generate(target, STAT_PROMPTS, dataclasses.replace(sp, seed=6), spec)
+    assert [o["token_ids"] for o in c.outputs] != [o["token_ids"] for o in a.outputs]
+
+
+def test_auto_backup_decides_from_the_cost_model_not_the_clock(agree_pair, monkeypatch):
+    """With the clock frozen or running wild, auto makes the same choices (it never reads it)."""
+    import time as time_mod
+
+    target, draft = agree_pair
+    sp = SamplingParams(temperature=1.0, seed=9, max_new_tokens=16, ignore_eos=True, n=32)
+    spec = SpecConfig(method="ssd", draft=draft, k=K, backup="auto")
+    ref = generate(target, STAT_PROMPTS, sp, spec)
+    ticks = iter(np.cumsum(np.random.default_rng(0).exponential(5.0, 10**6)))
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: float(next(ticks)))
+    wild = generate(target, STAT_PROMPTS, sp, spec)
+    assert [o["token_ids"] for o in wild.outputs] == [o["token_ids"] for o in ref.outputs]
+    assert wild.metrics["fallback_calls"] == ref.metrics["fallback_calls"]
+    bm = ref.metrics["backup_model"]
+    assert set(bm) == {"hardware", "t_primary", "t_neural", "t_fast"} and bm["t_primary"] > 0
