@@ -48,9 +48,11 @@ bonus tokens land in the cache more often, at some cost in acceptance. σ is wha
 verifier receives as q, so exactness is untouched. C = 1 is plain sampling.
 
 Backup choice. ``auto`` picks the neural backup below a critical batch size b* and the
-n-gram (fast) one above it; b* comes from Corollary 16 with the measured build, verify and
-fallback times, the observed hit rate and the tokens per round after hits and misses
-(:func:`ssd_jax.fanout.critical_batch_size`).
+n-gram (fast) one above it; b* comes from Corollary 16 (:func:`ssd_jax.fanout.critical_batch_size`)
+with the hit rate and the tokens per round after hits and misses observed so far in this run,
+and the build, verify and fallback times of a roofline estimate made once before the first
+round (:func:`backup_cost_estimate`, reported as ``metrics["backup_model"]``). No clock is
+read for the decision, so a seeded run gives the same tokens every time.
 
 Placement. The target lives on a target mesh (tensor parallel), the draft on a disjoint
 draft mesh (parameters replicated; the branch axis sharded over its devices, so more draft
@@ -400,9 +402,9 @@ def backup_cost_estimate(target_cfg, draft_cfg, *, batch: int, k: int, budget: i
     neural = k * pm.forward_time(hw, drf, batch=batch, tokens=1, context=context).total
     return {
         "hardware": hw.name,
-        "t_primary": (rerun + k * branch) / t_ver,
-        "t_neural": neural / t_ver,
-        "t_fast": hw.host_overhead_s / t_ver,  # host n-gram lookups and one merge call
+        "t_primary": float((rerun + k * branch) / t_ver),
+        "t_neural": float(neural / t_ver),
+        "t_fast": float(hw.host_overhead_s / t_ver),  # host n-gram lookups and one merge call
     }
 
 

@@ -129,3 +129,82 @@ def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
     assert any(e.get("name") == "build" for e in json.loads(trace.read_text())["traceEvents"])
     r = run_cli(*common, "--method", "ssd", "--target-devices", "3", "--draft-devices", "2", env=env)
     assert_one_line_error(r, "devices")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--n", "0"], "n must be"),
+        (["--fan-out", "0"], "fan-out must be"),
+        (["--method", "ssd", "--draft", "x", "--fan-out-budget", "0"], "fan-out budget"),
+        (["--method", "ssd", "--draft", "x", "--target-devices", "0"], "target-devices"),
+        (["--method", "ssd", "--draft", "x", "--draft-devices", "9"], "devices"),
+        (["--method", "sd", "--draft", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+         "prompt-lookup-min"),
+        (["--temperature", "nan"], "temperature"),
+        (["--top-k", "-1"], "top-k"),
+        (["--k", "0"], "k must be"),
+        (["--method", "ssd", "--draft", "x", "--saguaro-c", "-1"], "saguaro"),
+        (["--saguaro-c", "2"], "saguaro"),
+        (["--saguaro-c", "nan"], "saguaro"),
+    ],
+)
+def test_bad_values_in_process(args, needle, capsys):
+    """Each bad value: one line on stderr, nothing on stdout, exit status 2, before any model is loaded
+    (8 fake devices here, so 9 draft devices do not exist)."""
+    from ssd_jax.decode import main
+
+    rc = main([*args, "--target", "no-such-model-would-be-loaded", "--prompt", "hi"])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and out == "" and len(lines) == 1, (rc, out, err)
+    assert needle.lower() in lines[0].lower(), lines[0]
+
+
+def test_bad_prompt_inputs_in_process(tiny_llama_path, tmp_path, capsys):
+    from ssd_jax.decode import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    cases = [
+        (["--prompts-file", str(tmp_path / "missing.jsonl")], "not found"),
+        (["--prompts-file", str(bad)], "no 'prompt' string"),
+        (["--prompt-ids", "1,2,128"], "outside the vocabulary"),
+        (["--prompt-ids", "-1"], "outside the vocabulary"),
+    ]
+    for args, needle in cases:
+        rc = main(["--target", tiny_llama_path, "--max-new-tokens", "2", *args])
+        out, err = capsys.readouterr()
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2 and out == "" and len(lines) == 1, (args, rc, out, err)
+        assert needle.lower() in lines[0].lower(), lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_draft_path(tmp_path_factory, tiny_llama_path):
+    """A different tiny Llama with the same vocabulary: a draft that partly disagrees with the target."""
+    import torch
+    from conftest import TINY
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1}, tie_word_embeddings=True, eos_token_id=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    path = tmp_path_factory.mktemp("tiny-llama-draft")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_seeded_sampled_ssd_auto_is_reproducible_from_the_cli(tiny_llama_path, tiny_llama_draft_path):
+    args = ["--target", tiny_llama_path, "--draft", tiny_llama_draft_path, "--method", "ssd", "--backup", "auto",
+            "--temperature", "1", "--seed", "3", "--n", "6", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8",
+            "--max-new-tokens", "12", "--ignore-eos", "--json", "--k", "3"]
+    runs = [run_cli(*args) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (json.loads(r.stdout) for r in runs)
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+    assert a["metrics"]["fallback_calls"] == b["metrics"]["fallback_calls"]
+    assert 0.0 < a["metrics"]["cache_hit_rate"] < 1.0  # misses happened, so the backup choice mattered

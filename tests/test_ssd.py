@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_sd import (
     N_SAMPLES,
+    check_round_accounting,
     PROMPTS,
     _ids,
     biased_verify,
@@ -47,9 +48,20 @@ def test_greedy_ssd_equals_greedy_ar(pair, ar_ref, kw):
                    SpecConfig(method="ssd", draft=draft, k=3, **kw))
     assert _ids(res) == ar_ref
     m = res.metrics
-    assert 0.0 <= m["cache_hit_rate"] <= 1.0
+    check_round_accounting(res, 3, fixed_k=kw["backup"] not in ("ngram", "auto"))  # n-gram proposals can be short
+    check_cache_accounting(res)
     assert sum(m["fanout"]["schedule"]) == m["fanout"]["budget"]
-    assert sum(m["fallback_calls"].values()) >= 1  # the first round has no cache
+
+
+def check_cache_accounting(res):
+    """Hit rate and fallback calls agree with the per-row traces of where each speculation came from."""
+    m = res.metrics
+    hits = [o["metrics"]["cache_hit_per_round"] for o in res.outputs]
+    assert not any(h[0] for h in hits)  # round 1 has no cache
+    used = sum(len(h) - 1 for h in hits)  # lookups whose speculation was verified
+    assert m["cache_hit_rate"] == pytest.approx(sum(sum(h) for h in hits) / used if used else 0.0)
+    missed_rounds = {r for h in hits for r in range(1, len(h)) if not h[r]}
+    assert sum(m["fallback_calls"].values()) == 1 + len(missed_rounds)  # the first round, then one per miss
 
 
 def test_self_draft_always_hits(pair, ar_ref):
@@ -178,6 +190,7 @@ def biased_miss_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
 sd_mod_verify = sd_mod.verify
 
 
+@pytest.mark.slow  # superseded in the default set by test_exactness (long horizons, same controls)
 @pytest.mark.parametrize("backup,c,budget,sampling", SSD_STAT_CASES)
 def test_ssd_matches_exact_target_distribution(small_pair, backup, c, budget, sampling, monkeypatch):
     target, draft = small_pair
@@ -193,6 +206,7 @@ def test_ssd_matches_exact_target_distribution(small_pair, backup, c, budget, sa
 
 
 
+@pytest.mark.slow  # superseded in the default set by test_exactness (long horizons, same controls)
 def test_biased_miss_rule_fails_the_bound(small_pair, monkeypatch):
     """Negative control: the reference engine's rule on misses (accept a fallback proposal iff it is the
     target argmax, then sample p) must fail the same bound. Neural fallbacks are marked as point masses
