@@ -7,7 +7,8 @@ with exact conditional distribution p (given that row's actual prefix), sort the
 by descending p (ties by id) and set u = P(tokens before x) + V * p(x), with V ~ U(0, 1)
 drawn by the test. If every token is drawn from its conditional, the u's of a row are i.i.d.
 U(0, 1) (the Rosenblatt transform), whatever the prefixes were, so the u's of all tokens of
-all rows can be pooled and tested for uniformity (chi-square over equal-width bins).
+all rows can be pooled and tested for uniformity (chi-square over equal-width bins, and
+Kolmogorov-Smirnov).
 
 Because the order is by probability, u is small when the token was likely: a sampler that
 favours likely tokens (e.g. "accept iff argmax") piles u near 0, one that favours unlikely
@@ -205,45 +206,48 @@ def pit(em: Emissions, seed: int = 0) -> np.ndarray:
     return np.clip(u, 0.0, np.nextafter(1.0, 0.0))
 
 
-def uniformity_pvalue(u: np.ndarray, bins: int | None = None) -> float:
-    """Pearson chi-square of u against U(0, 1) over equal-width bins (expected count >= 20 per bin)."""
+def uniformity_pvalues(u: np.ndarray) -> tuple[float, float]:
+    """Two tests of u against U(0, 1): Pearson chi-square over 10 equal-width bins (expected count
+    >= 20 per bin; omnibus) and Kolmogorov-Smirnov (most powerful here against mass moved between
+    likely and unlikely tokens: 0.55-0.6 at TV 0.03 against 0.2 for the chi-square, by simulation)."""
     n = len(u)
     if n < 40:
-        return 1.0
-    bins = bins or int(min(20, n // 20))
+        return 1.0, 1.0
+    bins = int(min(10, n // 20))
     obs = np.bincount(np.minimum((u * bins).astype(int), bins - 1), minlength=bins)
     exp = n / bins
-    return float(sps.chi2.sf(((obs - exp) ** 2 / exp).sum(), bins - 1))
+    chi = float(sps.chi2.sf(((obs - exp) ** 2 / exp).sum(), bins - 1))
+    return chi, float(sps.kstest(u, "uniform").pvalue)
 
 
 @dataclasses.dataclass
 class FitReport:
     n: int
-    pooled_p: float
-    strata: dict  # offset -> (count, p-value)
+    pooled: tuple[float, float]  # (chi-square p, KS p) over all tokens
+    strata: dict  # offset -> (count, (chi-square p, KS p))
     outside_support: int
     alpha: float
 
     @property
-    def min_p(self) -> float:
-        return min([self.pooled_p] + [p for _, p in self.strata.values()])
-
-    @property
-    def tests(self) -> int:
-        return 1 + len(self.strata)
+    def pvalues(self) -> list[float]:
+        return list(self.pooled) + [p for _, ps in self.strata.values() for p in ps]
 
     @property
     def rejected(self) -> bool:
         """Any token outside the support, or any test below alpha / (number of tests) (Bonferroni)."""
-        return self.outside_support > 0 or self.min_p < self.alpha / self.tests
+        ps = self.pvalues
+        return self.outside_support > 0 or min(ps) < self.alpha / len(ps)
 
     def __str__(self) -> str:
-        st = ", ".join(f"{o}: n={c} p={p:.2g}" for o, (c, p) in sorted(self.strata.items()))
-        return (f"n={self.n} pooled p={self.pooled_p:.3g}; strata {st}; outside support {self.outside_support}; "
-                f"alpha {self.alpha:g}")
+        def f(ps):
+            return f"chi2 p={ps[0]:.2g} KS p={ps[1]:.2g}"
+
+        st = "; ".join(f"{o}: n={c} {f(ps)}" for o, (c, ps) in sorted(self.strata.items()))
+        return (f"n={self.n} pooled {f(self.pooled)}; strata {st}; outside support {self.outside_support}; "
+                f"alpha {self.alpha:g} over {len(self.pvalues)} tests")
 
 
-#: family-wise significance level of each goodness-of-fit test (Bonferroni over its strata)
+#: family-wise significance level of each goodness-of-fit test (Bonferroni over its strata and both tests)
 ALPHA = 1e-4
 
 
@@ -257,5 +261,5 @@ def goodness_of_fit(em: Emissions, alpha: float = ALPHA, seed: int = 0) -> FitRe
             continue
         sel = em.offsets == off
         if sel.sum() >= 100:
-            strata[int(off)] = (int(sel.sum()), uniformity_pvalue(u[sel]))
-    return FitReport(len(u), uniformity_pvalue(u), strata, outside, alpha)
+            strata[int(off)] = (int(sel.sum()), uniformity_pvalues(u[sel]))
+    return FitReport(len(u), uniformity_pvalues(u), strata, outside, alpha)

@@ -97,7 +97,7 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     ar = ssd_jax.generate(ours, ids, sp)
     sd = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="sd", draft=draft, k=3))
     assert [o["token_ids"] for o in sd.outputs] == [o["token_ids"] for o in ar.outputs]
-    check_round_accounting(sd, k=3)
+    check_round_accounting(sd, k=3, fixed_k=drafter != "ngram")  # n-gram proposals can be short
     if drafter == "shipped":  # trained, not random: it agrees with the target well above chance
         assert sd.metrics["acceptance_rate"] > 0.1
 
