@@ -85,7 +85,14 @@ def eos_ids(model) -> set[int]:
 
 
 class RowState:
-    """Host-side bookkeeping for one sequence: its tokens, text, and why it stopped."""
+    """Host-side bookkeeping for one sequence: its tokens, text, and why it stopped.
+
+    Detokenisation is incremental (constant host work per token, whatever the length): only
+    the tokens since the last complete character are decoded again, from a few tokens back so
+    that merges across the boundary come out right, and stop strings are searched only in the
+    new tail. When the row finishes, its text is decoded once in full, so the final ``text``
+    is exactly ``decode(token_ids)`` cut at the first stop string.
+    """
 
     def __init__(self, prompt, prompt_ids, model, sampling: SamplingParams, eos: set[int]):
         self.prompt = prompt
@@ -96,8 +103,11 @@ class RowState:
         self._tok = model.tokenizer
         self._sp = sampling
         self._eos = eos
-        self.text = ""
-        self._emitted = 0
+        self._max_stop = max((len(s) for s in sampling.stop), default=0)
+        self.text = ""  # printable text so far (complete characters only until the row is done)
+        self._emitted = 0  # characters handed to the streaming callback
+        self._prefix = 0  # tokens[_prefix:_read] decode to the tail of ``text`` (the re-decoding window)
+        self._read = 0
 
     def push(self, tok: int) -> str:
         """Add one generated token; returns newly printable text (for streaming)."""
@@ -110,17 +120,33 @@ class RowState:
             self.done, self.finish_reason = True, "length"
         if self._tok is None:
             return ""
+        decode = self._tok.decode
+        before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
+        window = decode(self.tokens[self._prefix :], skip_special_tokens=True)
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += window[len(before) :]
+            self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
+            if self._max_stop:
+                tail = self.text[max(0, start - self._max_stop + 1) :]
+                if any(s in tail for s in self._sp.stop):
+                    self.done, self.finish_reason = True, "stop"
+        if self.done:
+            self._finish_text()
+        new = self.text[self._emitted :]
+        self._emitted = max(self._emitted, len(self.text))
+        return new
+
+    def _finish_text(self) -> None:
+        """The final text: the full decode, cut before the first stop string (once per row)."""
         text = self._tok.decode(self.tokens, skip_special_tokens=True)
         for s in self._sp.stop:
             i = text.find(s)
             if i >= 0:
                 text = text[:i]
-                self.done, self.finish_reason = True, "stop"
+                self.finish_reason = "stop"
         self.text = text
-        safe = text if self.done else text.rstrip("\ufffd")
-        new = safe[self._emitted :]
-        self._emitted = max(self._emitted, len(safe))
-        return new
+        self._emitted = min(self._emitted, len(text))
 
     def output(self) -> dict[str, Any]:
         return {

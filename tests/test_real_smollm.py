@@ -137,6 +137,19 @@ def test_stop_strings_cut_the_text(ours):
     assert sd.outputs[0]["text"] == out["text"] and sd.outputs[0]["token_ids"] == out["token_ids"]
 
 
+def test_streamed_text_is_the_decoded_text(ours):
+    """Incremental detokenisation: the streamed pieces add up to decode(token_ids), multi-byte
+    characters included, at any temperature, and the stop-string cut is the full-text cut."""
+    prompts = ["Écris une phrase en français avec des accents: é, è, à, ç.", "Emoji party: 🎉🚀✨ and 中文 text"]
+    sp = ssd_jax.SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=4)
+    pieces = {0: [], 1: []}
+    res = ssd_jax.generate(ours, prompts, sp, on_text=lambda row, t: pieces[row].append(t))
+    for row, o in enumerate(res.outputs):
+        assert o["text"] == ours.tokenizer.decode(o["token_ids"], skip_special_tokens=True)
+        assert "".join(pieces[row]) == o["text"]
+        assert all(pieces[row])
+
+
 def test_chat_template_is_applied(ours):
     res = ssd_jax.generate(ours, ["What is 2+2?"], ssd_jax.SamplingParams(max_new_tokens=8), chat=True)
     o = res.outputs[0]
