@@ -50,16 +50,19 @@ def probe_model(vocab: int | None = None):
 
 
 def count_calls():
-    from ssd_jax import runtime
+    try:
+        from ssd_jax.compile import Compiled
+    except ImportError:  # the layout before the engine redesign
+        from ssd_jax.runtime import Compiled
 
     counts: dict[str, int] = {}
-    orig = runtime.Compiled.__call__
+    orig = Compiled.__call__
 
     def counted(self, *a):
         counts[self.name] = counts.get(self.name, 0) + 1
         return orig(self, *a)
 
-    runtime.Compiled.__call__ = counted
+    Compiled.__call__ = counted
     return counts
 
 

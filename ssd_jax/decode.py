@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
                    "target's); without either flag both models share one device")
     g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
+    g.add_argument("--profile-stages", action="store_true", help="sd: time the draft, verify and sample stages "
+                   "separately (one call and sync each per round, slower; default: one call per round, stage "
+                   "times null)")
     g.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host: "
                    "run the same command on every host; meshes then span jax.devices() of all hosts)")
     g = p.add_argument_group("output")
@@ -142,6 +145,7 @@ def run(argv=None) -> int:
         backup=args.backup,
         target_devices=args.target_devices,
         draft_devices=args.draft_devices,
+        profile_stages=args.profile_stages,
     )
     import jax
 
@@ -191,8 +195,8 @@ def run(argv=None) -> int:
         print(
             f"[{res.method}] draft {m['draft']} k={m['k']}: acceptance {m['acceptance_rate']:.2f}, "
             f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
-            f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
-            f"overhead {m['overhead_s']:.2f}s",
+            + (f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
+               f"overhead {m['overhead_s']:.2f}s" if m.get("draft_s") is not None else "stage times: --profile-stages"),
             file=sys.stderr,
         )
     if "cache_hit_rate" in m:

@@ -1,13 +1,8 @@
-"""``ssd_jax.perf``: the performance model under the name the benchmark issue uses.
-
-Everything lives in :mod:`ssd_jax.perfmodel`; ``python -m ssd_jax.perf`` is
-``python -m ssd_jax.perfmodel``.
-"""
+"""Shim: ``python -m ssd_jax.perf`` is ``python -m ssd_jax.perfmodel`` (:mod:`ssd_jax.cli.perfmodel`)."""
 
 import sys
 
-from ssd_jax.perfmodel import *  # noqa: F401,F403
-from ssd_jax.perfmodel import main
+from ssd_jax.cli.perfmodel import main
 
 if __name__ == "__main__":
     sys.exit(main())

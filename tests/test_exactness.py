@@ -128,7 +128,7 @@ def test_emissions_follow_the_target_large(agree_pair, case):
 
 
 def _clear_compiled():
-    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps):
+    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
         cached.cache_clear()
 
 

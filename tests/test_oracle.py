@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax.oracle import (
+from ssd_jax.analysis.oracle import (
     aggregate,
     analyze,
     bleu4,

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from ssd_jax import fanout
-from ssd_jax import perfmodel as pm
+from ssd_jax.analysis import perfmodel as pm
+from ssd_jax.cli import perfmodel as perfmodel_cli
 
 H100 = pm.HARDWARE["h100-sxm"]
 T70, D1 = pm.model_shape("llama-3.1-70b"), pm.model_shape("llama-3.2-1b")
@@ -221,10 +222,10 @@ def test_qwen_prediction_single_and_two_devices():
 
 
 def test_cli_json_and_markdown(capsys):
-    assert pm.main(["--predict", "paper", "qwen-h200", "--acceptance-from", "--json"]) == 0
+    assert perfmodel_cli.main(["--predict", "paper", "qwen-h200", "--acceptance-from", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["paper"]["predictions"]["ssd"]["tokens_per_s"] > doc["paper"]["predictions"]["ar"]["tokens_per_s"]
-    assert pm.main(["--predict", "paper"]) == 0
+    assert perfmodel_cli.main(["--predict", "paper"]) == 0
     assert "SSD / AR" in capsys.readouterr().out
 
 
@@ -239,7 +240,7 @@ def test_measure_forward_on_a_tiny_model(tmp_path):
     assert json.loads(out.read_text())["rows"] == res["rows"]
     assert [(r["batch"], r["tokens"]) for r in res["rows"]] == [(1, 1), (1, 3)]
     assert all(r["seconds"] > 0 for r in res["rows"])
-    samples = pm._forward_samples({**res, "_path": str(out)})
+    samples = pm.forward_samples({**res, "_path": str(out)})
     assert samples[0].model.layers == 2 and samples[1].tokens == 3
 
 

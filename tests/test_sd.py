@@ -86,7 +86,7 @@ def test_ragged_acceptance_and_eos(pair, ar_ref):
 def test_metrics_contract(pair):
     target, draft = pair
     res = generate(target, PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),
-                   SpecConfig(method="sd", draft=draft, k=3))
+                   SpecConfig(method="sd", draft=draft, k=3, profile_stages=True))
     m = res.metrics
     for key in ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "acceptance_histogram",
                 "verify_steps", "draft_s", "verify_s", "sample_s", "overhead_s"):
@@ -98,6 +98,39 @@ def test_metrics_contract(pair):
     check_round_accounting(res, 3)
     for o in res.outputs:
         assert {"acceptance_rate", "mean_acceptance_length", "verify_steps"} <= set(o["metrics"])
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "random"])
+def test_one_call_rounds_equal_profiled_rounds(small_pair, drafter):
+    """The default one-call-per-round loop draws exactly what the profiled three-call loop draws
+    (same seed, T = 1, top-k), and makes one compiled call per round."""
+    from ssd_jax import runtime
+
+    target, draft = small_pair
+    sp = SamplingParams(temperature=1.0, top_k=6, seed=8, max_new_tokens=20, ignore_eos=True, n=3)
+    spec = SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=3, prompt_lookup_min=1)
+    prompts = [[2, 5, 2, 5, 2], [3, 7, 1]]
+    prof = generate(target, prompts, sp, dataclasses.replace(spec, profile_stages=True))
+    calls = {}
+    real = runtime.Compiled.__call__
+
+    def counted(self, *a):
+        calls[self.name] = calls.get(self.name, 0) + 1
+        return real(self, *a)
+
+    runtime.Compiled.__call__ = counted
+    try:
+        fused = generate(target, prompts, sp, spec)
+    finally:
+        runtime.Compiled.__call__ = real
+    assert _ids(fused) == _ids(prof)
+    assert [o["metrics"]["accepted_per_round"] for o in fused.outputs] == [
+        o["metrics"]["accepted_per_round"] for o in prof.outputs]
+    assert fused.metrics["draft_s"] is None and prof.metrics["draft_s"] > 0
+    rounds = fused.metrics["verify_steps"]
+    # one call per round (plus at most one round queued past the end), beside the prefills
+    assert calls.pop("sd_round") in (rounds, rounds + 1), calls
+    assert set(calls) <= {"prefill", "draft_prefill"}, calls
 
 
 def test_vocab_padding_is_aligned():
@@ -227,10 +260,12 @@ def test_sd_matches_exact_target_distribution(small_pair, drafter, sampling, mon
         # negative control: the biased verifier must fail the very same bound
         monkeypatch.setattr(sd_mod, "verify", biased_verify)
         sd_mod.sd_steps.cache_clear()
+        sd_mod.sd_round_program.cache_clear()
         try:
             counts_b, _ = sampled_pairs(target, spec, dataclasses.replace(sampling, seed=99), prompt)
         finally:
             monkeypatch.undo()
             sd_mod.sd_steps.cache_clear()
+            sd_mod.sd_round_program.cache_clear()
         stat_b, df_b = chi2_stat(counts_b, exact, N_SAMPLES)
         assert stat_b > chi2_threshold(df_b), (stat_b, df_b)

@@ -12,7 +12,8 @@ import chex
 import numpy as np
 import pytest
 
-from ssd_jax import sdsl
+from ssd_jax.analysis import sdsl
+from ssd_jax.cli import sdsl as sdsl_cli
 
 
 # --- Lambert W₋₁ ------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def _one_line_error(rc, capsys, needle):
 
 
 def test_cli_json(capsys):
-    assert sdsl.main(["--target-params", "70e9", "--json", "--drafts", "1e9,8e9"]) == 0
+    assert sdsl_cli.main(["--target-params", "70e9", "--json", "--drafts", "1e9,8e9"]) == 0
     out, err = capsys.readouterr()
     d = json.loads(out)
     assert abs(d["n_opt"] / 0.28e9 - 1) < 0.1
@@ -202,7 +203,7 @@ def test_cli_json(capsys):
 
 
 def test_cli_text_and_fit(capsys):
-    assert sdsl.main(["--target-params", "1.5B", "--fit"]) == 0
+    assert sdsl_cli.main(["--target-params", "1.5B", "--fit"]) == 0
     out, _ = capsys.readouterr()
     assert "N_opt" in out and "OUTSIDE the fitted 13-110B range" in out
     assert "only" in out and "full optimisation" in out
@@ -220,7 +221,7 @@ def test_cli_text_and_fit(capsys):
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, args, needle):
     try:
-        rc = sdsl.main(args)
+        rc = sdsl_cli.main(args)
     except SystemExit as e:  # argparse errors
         rc = e.code
     _one_line_error(rc, capsys, needle)
@@ -236,7 +237,7 @@ def test_cli_target_counts_parameters_from_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: only the config is
     total = count_params(ModelConfig.from_hf(hf), include_embeddings=True)
-    assert sdsl.main(["--target", str(tmp_path), "--json"]) == 0
+    assert sdsl_cli.main(["--target", str(tmp_path), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["param_count"]["total"] == total == d["target_params"]
     assert d["param_count"]["used"] == "total"

@@ -233,13 +233,13 @@ def test_biased_miss_rule_fails_the_bound(small_pair, monkeypatch):
     monkeypatch.setattr(ssd_mod, "advance", advance)
     monkeypatch.setattr(ssd_mod, "first_spec", first_spec)
     monkeypatch.setattr(sd_mod, "verify", biased_miss_verify)
-    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps):
+    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
         cached.cache_clear()
     try:
         counts, m = sampled_pairs(target, spec, sampling, prompt)
     finally:
         monkeypatch.undo()
-        for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps):
+        for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
             cached.cache_clear()
     assert m["cache_hit_rate"] < 0.9  # misses happened
     stat, df = chi2_stat(counts, exact, N_SAMPLES)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ssd_jax import sweep
+from ssd_jax.bench import sweep
 from ssd_jax.errors import UserError
 
 
@@ -40,9 +40,9 @@ def test_bad_configs(tmp_path):
 def test_sweep_runs_resumes_and_reports(tiny_llama_path, tmp_path, monkeypatch):
     # a tiny random model as target and draft; prompts are real text, so give it a tokenizer-free path:
     # the sweep's prompts are replaced by token-id prompts
-    import ssd_jax.data
+    import ssd_jax.data.prompts
 
-    monkeypatch.setattr(ssd_jax.data, "load_prompts", lambda cat, n=None, **kw: [{"prompt": [1, 2, 3 + i]} for i in range(n)])
+    monkeypatch.setattr(ssd_jax.data.prompts, "load_prompts", lambda cat, n=None, **kw: [{"prompt": [1, 2, 3 + i]} for i in range(n)])
     cfg = {"name": "tiny", "target": tiny_llama_path, "draft": tiny_llama_path, "new_tokens": 6, "n_prompts": 2,
            "grid": {"method": ["ar", "sd", "ssd"], "k": [2], "backup": ["neural"], "category": ["code"]}}
     path = tmp_path / "tiny.json"

@@ -1,4 +1,4 @@
-"""Draft training (ssd_jax.train) and trained-draft loading (ssd_jax.loading.draft), on tiny models.
+"""Draft training (ssd_jax.training) and trained-draft loading (ssd_jax.loading.draft), on tiny models.
 
 Every run here uses the same tiny target and the same hyper-parameters, so the jitted train
 and eval steps compile once for the whole module.
@@ -25,7 +25,9 @@ from ssd_jax.loading import draft as dfmt
 from ssd_jax.loading import load_model, store
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import flatten, init_params
-from ssd_jax import train as T
+from ssd_jax import training as T
+from ssd_jax.cli import train as train_cli
+from ssd_jax.training import loop as train_loop
 
 TARGET_CFG = ModelConfig(
     vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -133,7 +135,7 @@ def test_metadata(run_a, env):
 
 
 def test_sdsl_counts_a_trained_draft(run_a, env):
-    from ssd_jax import sdsl
+    from ssd_jax.cli import sdsl
 
     meta = dfmt.read_meta(env / "a")
     got = sdsl.model_params(str(env / "a"))
@@ -186,7 +188,7 @@ def test_bad_checkpoints_are_one_line_errors(run_a, env, tmp_path):
 
 
 def test_bad_arguments(run_a, env, capsys):
-    assert T.main(["--target", str(env / "target"), "--size", "0", "--out", str(env / "x")]) == 2
+    assert train_cli.main(["--target", str(env / "target"), "--size", "0", "--out", str(env / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --size") and "\n" not in err
     with pytest.raises(UserError, match="already holds a training run"):
@@ -211,7 +213,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(run_a, env, monkeypat
         f.calls = 0
         return f
 
-    monkeypatch.setattr(T, "make_train_step", poisoned)
+    monkeypatch.setattr(train_loop, "make_train_step", poisoned)
     with pytest.raises(UserError, match=r"loss became nan at step 6.*last good checkpoint is step 4"):
         T.train(targs(env, "nan"))
     assert dfmt.complete_steps(env / "nan" / "state") == [4]

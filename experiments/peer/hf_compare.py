@@ -107,8 +107,8 @@ def main() -> None:
     args = p.parse_args()
 
     import ssd_jax
-    from ssd_jax.bench import _env
-    from ssd_jax.data import load_prompts
+    from ssd_jax.bench.common import environment
+    from ssd_jax.data.prompts import load_prompts
     from ssd_jax.engine import encode_prompts
 
     tok_model = ssd_jax.load_model(args.target)
@@ -121,7 +121,7 @@ def main() -> None:
     ours, our_out, v2 = ours_runs(args.target, args.draft, prompt_ids, args.new_tokens)
     same = [a == b for a, b in zip(hf_out["hf generate"], our_out["ssd_jax AR"])]
     res = {"target": args.target, "draft": args.draft, "prompts": len(prompt_ids), "new_tokens": args.new_tokens,
-           "threads": args.threads, "versions": {**v1, **v2}, "env": _env(), "loadavg_start": load0,
+           "threads": args.threads, "versions": {**v1, **v2}, "env": environment(), "loadavg_start": load0,
            "loadavg_end": os.getloadavg(), "greedy_tokens_equal_hf": same, "rows": hf + ours}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(res, indent=1))

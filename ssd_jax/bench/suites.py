@@ -1,28 +1,25 @@
-"""``python -m ssd_jax.bench``: benchmarks that write results files (never asserted in tests).
+"""The per-method benchmark suites ``ar``, ``sd`` and ``ssd`` (``python -m ssd_jax.bench --suite ...``).
 
 Suite ``ar`` (the foundation benchmark): for each model, batch-1 greedy AR decode speed,
 compile time and peak RSS, each model in its own subprocess (so peak RSS is its own), next
 to the memory-bandwidth roofline: weight bytes read per token / measured read bandwidth.
 The load average is recorded beside every number: these machines are shared.
 
-Results go to ``experiments/results/<suite>_<backend>.json`` and a markdown table beside it.
-
-Suites ``smoke`` and ``paper`` are lists of resumable sweeps (:data:`ssd_jax.sweep.SUITES`):
-``python -m ssd_jax.bench --suite smoke`` writes ``experiments/results/smoke/`` (one JSON line
-per configuration, markdown tables and plots, an index ``README.md``).
+Results go to ``experiments/results/<suite>_<backend>.json`` and a markdown table beside it
+(:func:`render`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+
+from ssd_jax.bench.common import environment, load_draft
 
 BENCH_PROMPT = "def quicksort(arr):\n    "
 DEFAULT_MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -51,26 +48,6 @@ def measure_bandwidth(gbytes: float = 1.0, repeats: int = 7) -> float:
             best = min(best, time.perf_counter() - t)
     del x
     return n * 4 / best / 1e9
-
-
-def _env() -> dict:
-    import jax
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    dev = jax.devices()[0]
-    return {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "device_kind": dev.device_kind,
-        "device_count": jax.device_count(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "git_commit": commit,
-        "loadavg": os.getloadavg(),
-    }
 
 
 def ar_one(model_name: str, new_tokens: int, dtype: str | None, repeats: int) -> dict:
@@ -107,7 +84,7 @@ def ar_one(model_name: str, new_tokens: int, dtype: str | None, repeats: int) ->
 
 
 def suite_ar(args) -> dict:
-    env = _env()
+    env = environment()
     bw = measure_bandwidth()
     rows = []
     for name in args.models:
@@ -171,9 +148,9 @@ def suite_sd(args) -> dict:
     """
     import ssd_jax
     from ssd_jax import SamplingParams, SpecConfig
-    from ssd_jax.data import copy_task_prompts, load_prompts
+    from ssd_jax.data.prompts import copy_task_prompts, load_prompts
 
-    env = _env()
+    env = environment()
     target = ssd_jax.load_model(args.target)
     draft = ssd_jax.load_model(args.draft)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -233,7 +210,7 @@ def render_sd(res: dict) -> str:
         a["dtok"] += r["generated_tokens"] - r["batch_size"]
         a["dwall"] += r["wall_s"] - r["ttft_s"]
         for k in ("draft_s", "verify_s", "sample_s", "overhead_s"):
-            a[k] += r.get(k, 0.0)
+            a[k] += r.get(k) or 0.0  # None: not measured (SD stage times without profiling)
         a["acc_num"] += r.get("acceptance_rate", 0.0) * r.get("verify_steps", 0) * r.get("k", 0)
         a["acc_den"] += r.get("verify_steps", 0) * r.get("k", 0)
         a["steps"] += r.get("verify_steps", 0)
@@ -268,19 +245,6 @@ def render_sd(res: dict) -> str:
 # --- SSD suite --------------------------------------------------------------------------
 
 
-def _load_draft(name: str, target):
-    """A draft by name/path, or ``first-N-layers``: the target's own first N layers (a shared-vocabulary draft)."""
-    import dataclasses
-
-    import ssd_jax
-
-    if name.startswith("first-") and name.endswith("-layers"):
-        n = int(name.split("-")[1])
-        return dataclasses.replace(target, name=f"{target.name}-first-{n}-layers", cfg=target.cfg.replace(num_layers=n),
-                                   params={**target.params, "layers": target.params["layers"][:n]})
-    return ssd_jax.load_model(name)
-
-
 def _ssd_row(suite, cat, i, name, res, **extra) -> dict:
     m = res.metrics
     keep = {k: v for k, v in m.items() if not isinstance(v, dict) or k in ("fanout", "fallback_calls", "devices")}
@@ -309,11 +273,11 @@ def suite_ssd(args) -> dict:
     """
     import ssd_jax
     from ssd_jax import SamplingParams, SpecConfig
-    from ssd_jax.data import load_prompts
+    from ssd_jax.data.prompts import load_prompts
 
-    env = _env()
+    env = environment()
     target = ssd_jax.load_model(args.target)
-    draft = _load_draft(args.draft, target)
+    draft = load_draft(args.draft, target)
     K = args.ssd_k
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     ssd = functools.partial(SpecConfig, method="ssd", draft=draft, k=K)
@@ -376,7 +340,7 @@ def render_ssd(res: dict) -> str:
         f = {"n": len(rs), "dtps": dtok / dwall if dwall > 0 else 0.0, "load": sum(r["loadavg"][0] for r in rs) / len(rs)}
         for k in ("acceptance_rate", "mean_acceptance_length", "cache_hit_rate", "tau_hit", "tau_miss",
                   "overlap_fraction", "draft_s", "verify_s", "draft_exposed_s", "overhead_s"):
-            vals = [r[k] for r in rs if k in r]
+            vals = [r[k] for r in rs if r.get(k) is not None]
             f[k] = sum(vals) / len(vals) if vals else None
         return f
 
@@ -406,7 +370,8 @@ def render_ssd(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _render(res: dict) -> str:
+def render(res: dict) -> str:
+    """The markdown report of a results file of any suite."""
     return {"ar": render_ar, "sd": render_sd, "ssd": render_ssd}[res["suite"]](res)
 
 
@@ -415,70 +380,4 @@ def rerender(path: str) -> None:
     with open(path) as f:
         res = json.load(f)
     with open(path[:-5] + ".md", "w") as f:
-        f.write(_render(res))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper"],
-                   help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/sweep.py) "
-                        "written to <out>/<suite>/ with a report")
-    p.add_argument("--ssd-k", type=int, default=4)
-    p.add_argument("--parts", nargs="+", default=["main", "fanout", "saguaro", "batch"])
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
-    p.add_argument("--ngram-k", type=int, default=4)
-    p.add_argument("--n-prompts", type=int, default=3)
-    p.add_argument("--categories", nargs="+", default=["code", "chat", "math"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--out", default="experiments/results")
-    p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
-    p.add_argument("--child-ar", help=argparse.SUPPRESS)
-    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
-    p.add_argument("--sweep", metavar="CONFIG_JSON", help="run (or resume) a sweep: one JSON line per configuration "
-                   "in <out>/<name>.jsonl, then its report (see ssd_jax/sweep.py)")
-    p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
-    args = p.parse_args(argv)
-    if args.sweep or args.report or args.suite in ("smoke", "paper"):
-        from ssd_jax import sweep
-        from ssd_jax.errors import cli_main
-
-        given = argv if argv is not None else sys.argv[1:]
-        override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
-
-        def go(_):
-            if args.sweep or args.report:
-                path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
-                written = " and ".join(str(x) for x in sweep.report(path) if x)
-            else:
-                written = sweep.run_suite(args.suite, args.out, **override)
-            print(f"wrote {written}", file=sys.stderr)
-            return 0
-
-        return cli_main(go, None)
-    if args.render:
-        rerender(args.render)
-        return 0
-    if args.child_ar:
-        print(json.dumps(ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
-        return 0
-    if args.suite in ("sd", "ssd") and "--new-tokens" not in (argv or sys.argv):
-        args.new_tokens = 64
-    res = {"ar": suite_ar, "sd": suite_sd, "ssd": suite_ssd}[args.suite](args)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}" + (f"_{args.tag}" if args.tag else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(_render(res))
-    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        f.write(render(res))

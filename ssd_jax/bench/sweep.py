@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ssd_jax.analysis import oracle
+from ssd_jax.bench.common import environment, load_draft
+from ssd_jax.data import prompts as prompt_sets
 from ssd_jax.errors import UserError
 
 AXES = ("method", "k", "fan_out", "saguaro_c", "backup", "batch_size", "temperature", "category")
@@ -140,11 +143,9 @@ def _spec(c: dict[str, Any], draft):
 
 def category_prompts(category: str, n: int) -> list[dict]:
     """Prompts of a dataset category (``code``, ``chat``, ``math``) or ``copy`` (prompt-copying tasks)."""
-    from ssd_jax import data
-
     if category == "copy":
-        return list(data.copy_task_prompts(n))
-    return data.load_prompts(category, n=n)
+        return list(prompt_sets.copy_task_prompts(n))
+    return prompt_sets.load_prompts(category, n=n)
 
 
 def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
@@ -181,11 +182,12 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
     mean_keys = ("acceptance_rate", "mean_acceptance_length", "cache_hit_rate", "tau_hit", "tau_miss",
                  "overlap_fraction")
     sum_keys = ("draft_s", "verify_s", "sample_s", "overhead_s", "draft_exposed_s", "prefill_s")
+    # a metric the engine did not measure is None (e.g. SD stage times without profile_stages): left out
     for k in mean_keys:
-        if k in runs[0]:
+        if all(m.get(k) is not None for m in runs):
             row[k] = sum(m[k] for m in runs) / len(runs)
     for k in sum_keys:
-        if k in runs[0]:
+        if all(m.get(k) is not None for m in runs):
             row[k] = sum(m[k] for m in runs)
     if "per_position_acceptance" in runs[0]:
         K = len(runs[0]["per_position_acceptance"])
@@ -206,12 +208,11 @@ def _resolve_draft(name: str | None, target_name: str) -> str | None:
 def _load_pair(cfg: dict[str, Any]):
     """(target, draft or None, environment with both models' weight hashes) of a sweep config."""
     import ssd_jax
-    from ssd_jax.bench import _env, _load_draft
 
     target = ssd_jax.load_model(cfg["target"])
     draft_name = _resolve_draft(cfg.get("draft"), cfg["target"])
-    draft = _load_draft(draft_name, target) if draft_name else None
-    env = _env()
+    draft = load_draft(draft_name, target) if draft_name else None
+    env = environment()
     env["models"] = {target.name: target.weights_sha256, **({draft.name: draft.weights_sha256} if draft else {})}
     return target, draft, env
 
@@ -219,7 +220,6 @@ def _load_pair(cfg: dict[str, Any]):
 def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experiments/results") -> Path:
     """Run (or resume) a sweep given by a config file or dict; returns the results file."""
     from tqdm import tqdm
-
 
     cfg = read_config(config)
     if cfg.get("kind") == "oracle":
@@ -244,14 +244,14 @@ def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experi
 
 
 def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
-    """Oracle bounds and n-gram vs draft by prompt-output overlap (greedy; see :mod:`ssd_jax.oracle`).
+    """Oracle bounds and n-gram vs draft by prompt-output overlap (greedy; see :mod:`ssd_jax.analysis.oracle`).
 
     Per prompt: the target's greedy output (AR, stopping at EOS), the draft's teacher-forced
     greedy matches on it, then the rounds each proposer would take. One JSON line per prompt.
     """
     from tqdm import tqdm
 
-    from ssd_jax import SamplingParams, generate, oracle
+    from ssd_jax import SamplingParams, generate
     from ssd_jax.engine import encode_prompts
 
     os.makedirs(out_dir, exist_ok=True)
@@ -348,7 +348,7 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
     Tables: decode speed, acceptance and cache hits per configuration; the time breakdown
     (draft, verify, sampling, overhead as shares of the round time; SSD's exposed draft time);
     for a Saguaro C sweep a second plot of cache hit rate against acceptance (the SSD paper's
-    Fig. 5). Oracle results get the oracle tables instead (:func:`ssd_jax.oracle.render_markdown`).
+    Fig. 5). Oracle results get the oracle tables instead (:func:`ssd_jax.analysis.oracle.render_markdown`).
     """
     import matplotlib
 
@@ -418,7 +418,7 @@ BREAKDOWN = ("draft_s", "verify_s", "sample_s", "overhead_s")
 
 def _breakdown_table(rows: list[dict[str, Any]], label) -> list[str]:
     """The vLLM study's time breakdown: each part's share of the decode time, per configuration."""
-    rows = [r for r in rows if all(k in r for k in BREAKDOWN)]
+    rows = [r for r in rows if all(r.get(k) is not None for k in BREAKDOWN)]
     if not rows:
         return []
     out = ["", "## Time breakdown", "",
@@ -454,8 +454,6 @@ def _saguaro_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path | None:
 
 
 def _report_oracle(p: Path, rows: list[dict[str, Any]]) -> tuple[Path, Path | None]:
-    from ssd_jax import oracle
-
     e = rows[0]["env"]
     md = p.with_suffix(".md")
     md.write_text(f"# {p.stem}\n\n{e.get('backend')}, commit {e.get('git_commit')}; models {e.get('models')}; "

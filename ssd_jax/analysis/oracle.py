@@ -37,8 +37,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ssd_jax.drafters import ngram_lookup
-
 DEFAULT_BLEU_EDGES = (0.0, 0.1, 0.2, 0.4, 1.0)
 METHODS = ("ngram", "draft", "oracle", "combine")
 
@@ -100,6 +98,10 @@ def ngram_accept_lengths(tokens: Sequence[int], prompt_len: int, k: int, n_min: 
     ``ngram_lookup(tokens[:t], k, n_min, n_max)`` equal ``tokens[t : t + k]`` (0 when the
     lookup finds nothing).
     """
+    # the n-gram drafter's own lookup (a pure numpy function): the simulation must propose
+    # exactly what the engine's drafter proposes
+    from ssd_jax.drafters import ngram_lookup
+
     tokens_T = np.asarray(tokens, np.int32)
     out = np.zeros(len(tokens_T) - prompt_len, np.int64)
     for t in range(prompt_len, len(tokens_T)):
@@ -137,18 +139,29 @@ def combine(len_a: np.ndarray, len_b: np.ndarray) -> np.ndarray:
     return np.maximum(a, b)
 
 
+def _length_bucket(n: int) -> int:
+    """Padded sequence length: powers of two from 16, so sequence lengths compile a handful of shapes."""
+    b = 16
+    while b < n:
+        b *= 2
+    return b
+
+
 @functools.lru_cache(maxsize=16)
 def _greedy_next_fn(cfg, vocab: int | None):
     import jax
     import jax.numpy as jnp
 
-    from ssd_jax.drafters import align_vocab
-    from ssd_jax.train import causal_logits
+    from ssd_jax.models import llama
 
     def greedy_next(params, tokens_1xT):
-        logits_1xTxV = causal_logits(params, cfg, tokens_1xT)
+        B, T = tokens_1xT.shape
+        hidden_1xTxD, _ = llama.forward(params, cfg, tokens_1xT, llama.init_cache(cfg, B, T))
+        logits_1xTxV = llama.logits(params, cfg, hidden_1xTxD)
         if vocab is not None:
-            logits_1xTxV = align_vocab(logits_1xTxV, vocab)
+            # cut to the target's vocabulary; a draft with a smaller table would be padded with
+            # -inf, which never changes the argmax
+            logits_1xTxV = logits_1xTxV[..., :vocab]
         return jnp.argmax(logits_1xTxV, axis=-1).astype(jnp.int32)
 
     return jax.jit(greedy_next)
@@ -163,13 +176,11 @@ def teacher_forced_matches(model, tokens: Sequence[int], prompt_len: int, vocab:
     ``vocab``: cut or pad the logits to the target's vocabulary first, as the engine does
     for a draft whose embedding table is padded differently.
     """
-    from ssd_jax.engine import prompt_bucket
-
     if prompt_len < 1:
         raise ValueError("prompt_len must be >= 1 (the first output token needs a context)")
     tokens_T = np.asarray(tokens, np.int32)
     T = len(tokens_T)
-    padded_1xP = np.zeros((1, prompt_bucket(T)), np.int32)
+    padded_1xP = np.zeros((1, _length_bucket(T)), np.int32)
     padded_1xP[0, :T] = tokens_T
     next_1xP = np.asarray(_greedy_next_fn(model.cfg, vocab)(model.params, padded_1xP))
     return next_1xP[0, prompt_len - 1 : T - 1] == tokens_T[prompt_len:]

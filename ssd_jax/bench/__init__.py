@@ -1,0 +1,12 @@
+"""The benchmark harness: per-method suites, resumable sweeps and their reports.
+
+* :mod:`ssd_jax.bench.suites`: the ``ar``, ``sd`` and ``ssd`` suites (a results JSON and a
+  markdown table each).
+* :mod:`ssd_jax.bench.sweep`: resumable sweeps over a configuration grid, the oracle sweep,
+  the built-in ``smoke`` and ``paper`` suites, reports with tables and plots.
+* :mod:`ssd_jax.bench.common`: what both share (environment record, draft loading).
+
+The top of the package's layers: it may import anything below it (decoding, loading, data,
+analysis); nothing imports it except the CLI (``python -m ssd_jax.bench``,
+:mod:`ssd_jax.cli.bench`).
+"""

@@ -1,0 +1,40 @@
+"""What the benchmark suites and the sweeps share: the environment record and draft loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import subprocess
+
+
+def environment() -> dict:
+    """JAX version, backend, devices, cores, Python, git commit and load average: stored with every result."""
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    dev = jax.devices()[0]
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "loadavg": os.getloadavg(),
+    }
+
+
+def load_draft(name: str, target):
+    """A draft by name/path, or ``first-N-layers``: the target's own first N layers (a shared-vocabulary draft)."""
+    import ssd_jax
+
+    if name.startswith("first-") and name.endswith("-layers"):
+        n = int(name.split("-")[1])
+        return dataclasses.replace(target, name=f"{target.name}-first-{n}-layers", cfg=target.cfg.replace(num_layers=n),
+                                   params={**target.params, "layers": target.params["layers"][:n]})
+    return ssd_jax.load_model(name)

@@ -1,0 +1,83 @@
+"""``python -m ssd_jax.bench``: benchmarks that write results files (never asserted in tests).
+
+Suites ``ar``, ``sd`` and ``ssd`` (:mod:`ssd_jax.bench.suites`) write
+``experiments/results/<suite>_<backend>.json`` and a markdown table beside it. Suites ``smoke``
+and ``paper`` are lists of resumable sweeps (:data:`ssd_jax.bench.sweep.SUITES`):
+``python -m ssd_jax.bench --suite smoke`` writes ``experiments/results/smoke/`` (one JSON line
+per configuration, markdown tables and plots, an index ``README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ssd_jax.bench import suites, sweep
+from ssd_jax.bench.suites import DEFAULT_MODELS
+from ssd_jax.cli.args import Parser
+from ssd_jax.errors import cli_main
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m ssd_jax.bench")
+    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper"],
+                   help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/bench/sweep.py) "
+                        "written to <out>/<suite>/ with a report")
+    p.add_argument("--ssd-k", type=int, default=4)
+    p.add_argument("--parts", nargs="+", default=["main", "fanout", "saguaro", "batch"])
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--ngram-k", type=int, default=4)
+    p.add_argument("--n-prompts", type=int, default=3)
+    p.add_argument("--categories", nargs="+", default=["code", "chat", "math"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--out", default="experiments/results")
+    p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
+    p.add_argument("--child-ar", help=argparse.SUPPRESS)
+    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
+    p.add_argument("--sweep", metavar="CONFIG_JSON", help="run (or resume) a sweep: one JSON line per configuration "
+                   "in <out>/<name>.jsonl, then its report (see ssd_jax/bench/sweep.py)")
+    p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
+    args = p.parse_args(argv)
+    if args.sweep or args.report or args.suite in ("smoke", "paper"):
+        given = argv if argv is not None else sys.argv[1:]
+        override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
+
+        def go(_):
+            if args.sweep or args.report:
+                path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
+                written = " and ".join(str(x) for x in sweep.report(path) if x)
+            else:
+                written = sweep.run_suite(args.suite, args.out, **override)
+            print(f"wrote {written}", file=sys.stderr)
+            return 0
+
+        return cli_main(go, None)
+    if args.render:
+        suites.rerender(args.render)
+        return 0
+    if args.child_ar:
+        print(json.dumps(suites.ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
+        return 0
+    if args.suite in ("sd", "ssd") and "--new-tokens" not in (argv or sys.argv):
+        args.new_tokens = 64
+    res = {"ar": suites.suite_ar, "sd": suites.suite_sd, "ssd": suites.suite_ssd}[args.suite](args)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}" + (f"_{args.tag}" if args.tag else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(suites.render(res))
+    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

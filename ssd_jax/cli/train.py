@@ -1,0 +1,78 @@
+"""``python -m ssd_jax.train``: train an SDSL-sized draft for a target (:mod:`ssd_jax.training`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from ssd_jax.cli.args import Parser
+from ssd_jax.errors import cli_main
+from ssd_jax.loading import draft as dfmt
+from ssd_jax.training.args import LOSSES, TrainArgs
+from ssd_jax.training.loop import train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainArgs(target="")
+    p = Parser(prog="python -m ssd_jax.train", description="Train an SDSL-sized draft model for a target.")
+    p.add_argument("--target", required=True, help="registry name, .gguf file, HF or converted directory")
+    p.add_argument("--size", default=d.size, help="'auto' (SDSL N_opt) or the draft's non-embedding parameters, e.g. 10M")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="windows per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per window")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps, at most 100)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    p.add_argument("--loss", choices=LOSSES, default=d.loss, help="ce, kl (distillation from the target) or mix")
+    p.add_argument("--seed", type=int, default=d.seed, help="data order seed")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per evaluation")
+    p.add_argument("--save-every", type=int, default=None, help="steps between saves (default: each evaluation)")
+    p.add_argument("--keep", type=int, default=d.keep, help="training states kept")
+    p.add_argument("--init-layers", default=d.init_layers, help="spread, first, none or target layer indices (0,15,29)")
+    p.add_argument("--data", default=d.data, help="'corpus' (shipped prompt sets) or a .txt/.jsonl file")
+    p.add_argument("--out", default=None, help="output directory (default checkpoints/<target>-draft)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def run_cli(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    args = TrainArgs(
+        target=a.target, size=a.size, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
+        warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip, loss=a.loss, seed=a.seed,
+        eval_every=a.eval_every, eval_windows=a.eval_windows, save_every=a.save_every, keep=a.keep,
+        init_layers=a.init_layers, data=a.data, out=a.out, resume=a.resume,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda msg, *_a, **_k: print(f"warning: {msg}", file=sys.stderr)
+        s = train(args)
+    summary = {k: s[k] for k in ("out", "step", "eval", "best", "timing")}
+    if a.json:
+        print(json.dumps(summary))
+        return 0
+    t, e, b = s["timing"], s["eval"], s["best"]
+    print(f"draft saved in {s['out']} (step {s['step']}); load it with --draft {s['out']}")
+    if e:
+        print(f"final eval: ppl {e['ppl']:.3f} (target {e['target_ppl']:.3f}), alpha {e['alpha']:.4f}, "
+              f"greedy match {e['greedy_match']:.4f}")
+    if b:
+        print(f"best by alpha: step {b['step']}, alpha {b['alpha']:.4f} -> {Path(s['out']) / dfmt.BEST_DIR}")
+    if t["step_s"]:
+        print(f"speed: {1 / t['step_s']:.3f} steps/s, {t['tokens_per_s']:,.0f} tokens/s "
+              f"(first step incl. compile {t['first_step_s']:.1f}s, {t['steps']} timed steps)")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli_main(run_cli, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
