@@ -50,7 +50,7 @@ def unit_level_rows() -> list[dict]:
     import test_verify as tv
 
     from ssd_jax import SamplingParams
-    from ssd_jax.sampling import RowSampling
+    from ssd_jax.sampling.filters import RowSampling
 
     rows = []
     p_verify = tv._exact_dist(RowSampling.broadcast(SamplingParams(temperature=1.0), 1), True, 2)

@@ -6,10 +6,11 @@
     print(res.outputs[0]["text"], res.metrics["tokens_per_s"])
 """
 
-from ssd_jax.engine import GenerationResult, generate
+from ssd_jax.decoding.batch import GenerationResult
+from ssd_jax.decoding.spec import SpecConfig
+from ssd_jax.engine import generate
 from ssd_jax.errors import UserError
-from ssd_jax.sampling import SamplingParams
-from ssd_jax.spec import SpecConfig
+from ssd_jax.sampling.filters import SamplingParams
 
 __all__ = ["GenerationResult", "SamplingParams", "SpecConfig", "UserError", "generate", "load_model"]
 __version__ = "0.1.0"

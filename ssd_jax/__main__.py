@@ -1,5 +1,5 @@
 import sys
 
-from ssd_jax.decode import main
+from ssd_jax.cli.decode import main
 
 sys.exit(main())

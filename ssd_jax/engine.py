@@ -8,194 +8,19 @@ a stop string, or ``max_new_tokens``).
 The host never waits for the step it just dispatched: step t+1 is queued on the device
 with step t's tokens still on the device, and only then are step t's tokens copied to the
 host for the EOS / stop-string checks and streaming. Rows that have stopped keep riding
-along in the static batch (their results are ignored), so nothing ever recompiles.
-"""
+along in the static batch (their results are ignored), so nothing ever recompiles."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
-import jax
-import numpy as np
-
-from ssd_jax import runtime
+from ssd_jax.decoding.ar import generate_ar
+from ssd_jax.decoding.batch import GenerationResult, encode_prompts
+from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
-from ssd_jax.models import llama
-from ssd_jax.sampling import RowSampling, SamplingParams
-from ssd_jax.spec import SpecConfig
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    outputs: list[dict[str, Any]]
-    metrics: dict[str, Any]
-    method: str = "ar"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"method": self.method, "outputs": self.outputs, "metrics": self.metrics}
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def prompt_bucket(n: int) -> int:
-    """Prefill length bucket: powers of two from 16, so prompt lengths compile a handful of shapes."""
-    b = 16
-    while b < n:
-        b *= 2
-    return b
-
-
-def encode_prompts(model, prompts: Sequence[str | Sequence[int]], chat: bool) -> list[list[int]]:
-    """Token ids for each prompt; raw id lists pass through (for models without a tokenizer)."""
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            if not p.strip():
-                raise UserError("empty prompt")
-            if model.tokenizer is None:
-                raise UserError(f"model {model.name} has no tokenizer: pass token ids (--prompt-ids)")
-            text = p
-            if chat:
-                text = model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-            ids = model.tokenizer.encode(text, add_special_tokens=not chat)
-        else:
-            ids = [int(t) for t in p]
-            if not ids:
-                raise UserError("empty prompt")
-            bad = [t for t in ids if not 0 <= t < model.cfg.vocab_size]
-            if bad:
-                raise UserError(f"token id {bad[0]} outside the vocabulary [0, {model.cfg.vocab_size})")
-        if not ids:
-            raise UserError("prompt encodes to zero tokens")
-        out.append(ids)
-    return out
-
-
-def eos_ids(model) -> set[int]:
-    ids = set(model.cfg.eos_token_ids)
-    if model.tokenizer is not None:
-        ids |= set(model.tokenizer.eos_token_ids)
-    return ids
-
-
-class RowState:
-    """Host-side bookkeeping for one sequence: its tokens, text, and why it stopped.
-
-    Detokenisation is incremental (constant host work per token, whatever the length): only
-    the tokens since the last complete character are decoded again, from a few tokens back so
-    that merges across the boundary come out right, and stop strings are searched only in the
-    new tail. When the row finishes, its text is decoded once in full, so the final ``text``
-    is exactly ``decode(token_ids)`` cut at the first stop string.
-    """
-
-    def __init__(self, prompt, prompt_ids, model, sampling: SamplingParams, eos: set[int]):
-        self.prompt = prompt
-        self.prompt_ids = prompt_ids
-        self.tokens: list[int] = []
-        self.done = False
-        self.finish_reason: str | None = None
-        self._tok = model.tokenizer
-        self._sp = sampling
-        self._eos = eos
-        self._max_stop = max((len(s) for s in sampling.stop), default=0)
-        self.text = ""  # printable text so far (complete characters only until the row is done)
-        self._emitted = 0  # characters handed to the streaming callback
-        self._prefix = 0  # tokens[_prefix:_read] decode to the tail of ``text`` (the re-decoding window)
-        self._read = 0
-
-    def push(self, tok: int) -> str:
-        """Add one generated token; returns newly printable text (for streaming)."""
-        if self.done:
-            return ""
-        self.tokens.append(tok)
-        if tok in self._eos and not self._sp.ignore_eos:
-            self.done, self.finish_reason = True, "eos"
-        elif len(self.tokens) >= self._sp.max_new_tokens:
-            self.done, self.finish_reason = True, "length"
-        if self._tok is None:
-            return ""
-        decode = self._tok.decode
-        before = decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
-        window = decode(self.tokens[self._prefix :], skip_special_tokens=True)
-        if len(window) > len(before) and not window.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += window[len(before) :]
-            self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
-            if self._max_stop:
-                tail = self.text[max(0, start - self._max_stop + 1) :]
-                if any(s in tail for s in self._sp.stop):
-                    self.done, self.finish_reason = True, "stop"
-        if self.done:
-            self._finish_text()
-        new = self.text[self._emitted :]
-        self._emitted = max(self._emitted, len(self.text))
-        return new
-
-    def _finish_text(self) -> None:
-        """The final text: the full decode, cut before the first stop string (once per row)."""
-        text = self._tok.decode(self.tokens, skip_special_tokens=True)
-        for s in self._sp.stop:
-            i = text.find(s)
-            if i >= 0:
-                text = text[:i]
-                self.finish_reason = "stop"
-        self.text = text
-        self._emitted = min(self._emitted, len(text))
-
-    def output(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "text": self.text,
-            "token_ids": list(self.tokens),
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(self.prompt_ids),
-        }
-
-
-def _cache_for(model, batch: int, max_len: int) -> llama.KVCache:
-    cache = llama.init_cache(model.cfg, batch, max_len)
-    mesh = getattr(model, "mesh", None)
-    if mesh is not None:
-        from ssd_jax.sharding import cache_sharding, replicated
-
-        sh = cache_sharding(model.cfg, mesh, batch, max_len)
-        cache = llama.KVCache(
-            [jax.device_put(x, sh) for x in cache.k],
-            [jax.device_put(x, sh) for x in cache.v],
-            jax.device_put(cache.lengths, replicated(mesh)),
-        )
-    return cache
-
-
-def _put(model, x):
-    """Place a small host array where the model lives (replicated over its mesh)."""
-    mesh = getattr(model, "mesh", None)
-    if mesh is None:
-        return jax.device_put(x)
-    from ssd_jax.sharding import replicated
-
-    return jax.device_put(x, replicated(mesh))
-
-
-def plan_batch(model, prompt_ids: list[list[int]], sampling: SamplingParams, spec: SpecConfig):
-    """Check lengths against the context window; return (rows' ids, prefill width, cache length)."""
-    ctx = model.cfg.max_position_embeddings
-    longest = max(len(p) for p in prompt_ids)
-    need = longest + sampling.max_new_tokens + spec.extra_cache_slots
-    if need > ctx:
-        raise UserError(
-            f"prompt ({longest} tokens) + max-new-tokens ({sampling.max_new_tokens}) exceeds the context window "
-            f"of {model.name} ({ctx} tokens)"
-        )
-    width = prompt_bucket(longest)
-    max_len = min(_round_up(max(need, width), 128), max(ctx, width))
-    return width, max_len
+from ssd_jax.loading import load_model
+from ssd_jax.sampling.filters import SamplingParams
 
 
 def generate(
@@ -231,87 +56,13 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     if spec.method == "ssd":
-        from ssd_jax import load_model
-        from ssd_jax.ssd import generate_ssd
+        from ssd_jax.decoding.ssd.loop import generate_ssd
 
         return generate_ssd(model, list(prompts), ids, sampling, spec, on_text,
                             functools.partial(load_model, dtype=model.cfg.dtype), trace_path=trace)
     if spec.method == "sd":
-        from ssd_jax import load_model
-        from ssd_jax.sd import generate_sd
+        from ssd_jax.decoding.sd import generate_sd
 
         return generate_sd(model, list(prompts), ids, sampling, spec, on_text, functools.partial(load_model, dtype=model.cfg.dtype))
-    return _generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+    return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
 
-
-def _generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResult:
-    rows_prompt = [p for p in prompts for _ in range(sampling.n)]
-    rows_ids = [x for x in ids for _ in range(sampling.n)]
-    B = len(rows_ids)
-    width, max_len = plan_batch(model, rows_ids, sampling, spec)
-    eos = eos_ids(model)
-    rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
-
-    tokens = np.zeros((B, width), np.int32)
-    for b, r in enumerate(rows_ids):
-        tokens[b, : len(r)] = r
-    n_valid = np.array([len(r) for r in rows_ids], np.int32)
-    rs = RowSampling.broadcast(sampling, B)
-    rs = jax.tree.map(lambda x: _put(model, x), rs)
-    key = _put(model, jax.random.key_data(jax.random.key(sampling.seed)))
-    key = jax.random.wrap_key_data(key)
-    prefill, decode = runtime.ar_steps(model.cfg, sampling.needs_filter)
-
-    cache = _cache_for(model, B, max_len)
-    tokens_d, n_valid_d = _put(model, tokens), _put(model, n_valid)
-    compile_s = prefill.precompile(model.params, cache, tokens_d, n_valid_d, key, rs)
-    first_tok_spec = _put(model, np.zeros((B,), np.int32))
-    step0 = _put(model, np.int32(0))
-    compile_s += decode.precompile(model.params, cache, first_tok_spec, key, step0, rs)
-
-    t0 = time.perf_counter()
-    tok_d, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
-    pending = tok_d
-    ttft = None
-    step = 0
-    while True:
-        # queue the next step before looking at this one (the device never idles on the host)
-        step += 1
-        nxt = None
-        if step < sampling.max_new_tokens:
-            nxt, cache = decode(model.params, cache, pending, key, _put(model, np.int32(step)), rs)
-        host = np.asarray(pending)
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        for b, r in enumerate(rows):
-            new = r.push(int(host[b]))
-            if new and on_text is not None:
-                on_text(b, new)
-        if all(r.done for r in rows) or nxt is None:
-            break
-        pending = nxt
-    wall = time.perf_counter() - t0
-    if nxt is not None:
-        nxt.block_until_ready()  # don't leave a step running into the next call's timing
-
-    metrics = speed_metrics(rows, wall, ttft, compile_s, n_valid)
-    metrics["steps"] = step
-    return GenerationResult([r.output() for r in rows], metrics, method="ar")
-
-
-def speed_metrics(rows: list[RowState], wall: float, ttft: float, compile_s: float, n_valid) -> dict[str, Any]:
-    """The metrics every method reports (the CLI's JSON contract)."""
-    B = len(rows)
-    gen = sum(len(r.tokens) for r in rows)
-    longest = max(len(r.tokens) for r in rows)
-    return {
-        "generated_tokens": gen,
-        "tokens_per_s": gen / wall if wall > 0 else 0.0,
-        "ttft_s": ttft,
-        "tpot_s": (wall - ttft) / (longest - 1) if longest > 1 else 0.0,
-        "wall_s": wall,
-        "compile_s": compile_s,
-        "decode_tokens_per_s": (gen - B) / (wall - ttft) if wall > ttft and gen > B else 0.0,
-        "batch_size": B,
-        "prompt_tokens": int(np.sum(n_valid)),
-    }

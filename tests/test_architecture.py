@@ -7,7 +7,7 @@ Dependencies run one way, lowest first:
 
 A module may import its own layer and the layers below it, never above; there are no import
 cycles; no module imports a private (``_name``) from another; the package face
-(``ssd_jax/__init__.py``) is imported by no module inside the package; no file is over 600 lines.
+(``ssd_jax/__init__.py``) is imported only by its clients (bench, cli); no file is over 600 lines.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 PKG = Path(__file__).resolve().parents[1] / "ssd_jax"
 
 LAYERS = {
-    "errors": 0,
+    "errors": 0, "compile": 0,
     "models": 1,
     "loading": 2, "parallel": 2, "data": 2,
     "sampling": 3,
@@ -100,7 +99,7 @@ def test_imports_point_down_and_never_at_privates_or_the_face():
             tgt = _target(imported)
             if tgt == mod:
                 continue
-            if tgt == "ssd_jax" and mod not in SHIMS:
+            if tgt == "ssd_jax" and _layer(mod) < LAYERS["bench"]:  # bench and cli are clients of the public API
                 wrong.append(f"{mod} imports the package face ssd_jax")
                 continue
             if tgt != "ssd_jax" and _layer(tgt) is not None and _layer(tgt) > _layer(mod):

@@ -152,7 +152,7 @@ def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
 def test_bad_values_in_process(args, needle, capsys):
     """Each bad value: one line on stderr, nothing on stdout, exit status 2, before any model is loaded
     (8 fake devices here, so 9 draft devices do not exist)."""
-    from ssd_jax.decode import main
+    from ssd_jax.cli.decode import main
 
     rc = main([*args, "--target", "no-such-model-would-be-loaded", "--prompt", "hi"])
     out, err = capsys.readouterr()
@@ -162,7 +162,7 @@ def test_bad_values_in_process(args, needle, capsys):
 
 
 def test_bad_prompt_inputs_in_process(tiny_llama_path, tmp_path, capsys):
-    from ssd_jax.decode import main
+    from ssd_jax.cli.decode import main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')

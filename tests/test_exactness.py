@@ -36,10 +36,10 @@ from test_sd import PROMPTS, tiny_model
 from test_ssd import check_cache_accounting
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax import sd as sd_mod
-from ssd_jax import ssd as ssd_mod
-from ssd_jax import verify as verify_mod
-from ssd_jax.sampling import filter_logprobs
+from ssd_jax.decoding.ssd import tree as ssd_mod
+from ssd_jax.decoding import sd as sd_mod
+from ssd_jax.sampling import rejection as verify_mod
+from ssd_jax.sampling.filters import filter_logprobs
 
 K = 4
 NEW_TOKENS = 32

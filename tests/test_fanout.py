@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssd_jax import fanout as fo
+from ssd_jax.decoding.ssd import fanout as fo
 
 FAST = settings(max_examples=150, deadline=None)
 

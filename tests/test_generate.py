@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ssd_jax
-from ssd_jax import SamplingParams, generate, runtime
+from ssd_jax import SamplingParams, generate
+from ssd_jax.decoding import runtime
 from ssd_jax.errors import UserError
-from ssd_jax.sampling import RowSampling, filter_logprobs
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs
 
 PROMPTS = [[3, 17, 29], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42], [77], [90, 91, 92, 93, 94]]
 
@@ -154,7 +155,7 @@ def test_filter_matches_reference(seed, t, k, p):
 
 def test_sampler_frequencies_follow_the_filtered_distribution():
     """20k draws at T=0.7, top-p 0.9: empirical frequencies within a chi-square bound."""
-    from ssd_jax.sampling import sample
+    from ssd_jax.sampling.filters import sample
 
     logits = jnp.asarray(np.random.RandomState(0).randn(1, 12).astype(np.float32) * 2)
     rs = _rs(0.7, 0, 0.9, B=20_000)

@@ -110,7 +110,7 @@ def test_out_of_range_writes_are_dropped_not_clamped():
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tensor_parallel_forward_equals_unsharded(tp):
-    from ssd_jax.sharding import cache_sharding, make_mesh, shard_params
+    from ssd_jax.parallel.sharding import cache_sharding, make_mesh, shard_params
 
     cfg = _tiny_cfg(num_kv_heads=2)  # 2 KV heads: replicated on a 4/8-way mesh, sharded on 2
     params = init_params(cfg, 6, scale=0.2)

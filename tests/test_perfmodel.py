@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from ssd_jax import fanout
 from ssd_jax.analysis import perfmodel as pm
 from ssd_jax.cli import perfmodel as perfmodel_cli
+from ssd_jax.decoding.ssd import fanout
 
 H100 = pm.HARDWARE["h100-sxm"]
 T70, D1 = pm.model_shape("llama-3.1-70b"), pm.model_shape("llama-3.2-1b")

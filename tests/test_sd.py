@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax import sd as sd_mod
+from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.errors import UserError
 from ssd_jax.loading import LoadedModel
 from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import init_params
-from ssd_jax.sampling import RowSampling, filter_logprobs
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs
 
 PROMPTS = [[3, 17, 29, 3, 17], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], [77], [90, 91, 92, 93, 94, 90, 91]]
 
@@ -104,7 +104,7 @@ def test_metrics_contract(pair):
 def test_one_call_rounds_equal_profiled_rounds(small_pair, drafter):
     """The default one-call-per-round loop draws exactly what the profiled three-call loop draws
     (same seed, T = 1, top-k), and makes one compiled call per round."""
-    from ssd_jax import runtime
+    from ssd_jax.decoding import runtime
 
     target, draft = small_pair
     sp = SamplingParams(temperature=1.0, top_k=6, seed=8, max_new_tokens=20, ignore_eos=True, n=3)
@@ -154,7 +154,7 @@ def test_bad_spec(pair):
 
 
 def test_mismatched_tokenizers_are_refused(pair):
-    from ssd_jax.drafters import check_same_tokenizer
+    from ssd_jax.drafters.base import check_same_tokenizer
 
     class Tok:
         def __init__(self, fp):
@@ -220,7 +220,7 @@ def sampled_pairs(target, spec, sampling, prompt):
 
 def biased_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
     """The known bug: accept a proposal iff it equals the target argmax, then sample p (not the residual)."""
-    from ssd_jax.verify import VerifyResult
+    from ssd_jax.sampling.rejection import VerifyResult
 
     K = draft.shape[1]
     am = jnp.argmax(logits, -1)[:, :K]

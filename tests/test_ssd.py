@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from test_sd import (
     N_SAMPLES,
-    check_round_accounting,
     PROMPTS,
     _ids,
     biased_verify,
+    check_round_accounting,
     chi2_stat,
     chi2_threshold,
     exact_pair_distribution,
@@ -21,13 +21,15 @@ from test_sd import (
 )
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax import sd as sd_mod
-from ssd_jax import ssd as ssd_mod
+from ssd_jax.decoding.ssd import fanout as fo
+from ssd_jax.decoding.ssd import loop as ssd_loop
+from ssd_jax.decoding.ssd import tree as ssd_mod
+from ssd_jax.sampling import saguaro
+from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
-from ssd_jax.sampling import RowSampling, filter_logprobs
-from ssd_jax.verify import mark_point_mass
-
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs
+from ssd_jax.sampling.rejection import mark_point_mass
 
 # --- greedy equality ------------------------------------------------------------------------
 
@@ -89,15 +91,15 @@ def test_ragged_eos(pair, ar_ref):
 def test_saguaro_reweights_exactly_the_top_f():
     lp = jax.nn.log_softmax(jnp.asarray([[3.0, 2.0, 1.0, 0.0, -1.0], [0.0, 0.5, 1.0, 1.5, 2.0]]))
     p = np.exp(np.asarray(lp))
-    out = np.exp(np.asarray(ssd_mod.saguaro_logprobs(lp, jnp.asarray([2, 1]), 0.3, 4)))
+    out = np.exp(np.asarray(saguaro.saguaro_logprobs(lp, jnp.asarray([2, 1]), 0.3, 4)))
     w = np.ones_like(p)
     w[0, [0, 1]] = 0.3
     w[1, 4] = 0.3
     np.testing.assert_allclose(out, p * w / (p * w).sum(1, keepdims=True), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(ssd_mod.saguaro_logprobs(lp, jnp.asarray([2, 1]), 1.0, 4)), lp)
+    np.testing.assert_allclose(np.asarray(saguaro.saguaro_logprobs(lp, jnp.asarray([2, 1]), 1.0, 4)), lp)
     # C = 0 with the whole support inside the top-F set keeps the distribution
     point = jnp.asarray([[0.0, -jnp.inf, -jnp.inf]])
-    np.testing.assert_allclose(np.asarray(ssd_mod.saguaro_logprobs(point, jnp.asarray([1]), 0.0, 2)), point)
+    np.testing.assert_allclose(np.asarray(saguaro.saguaro_logprobs(point, jnp.asarray([1]), 0.0, 2)), point)
 
 
 # --- the speculation cache ----------------------------------------------------------------------
@@ -116,13 +118,13 @@ def test_cached_speculation_equals_direct_drafting():
     prompt = np.asarray([[4, 9, 2, 7, 1], [3, 3, 8, 0, 0]], np.int32)
     n_valid = jnp.asarray([5, 3], jnp.int32)
     cache = llama.init_cache(cfg, B, 64 + M * K)
-    from ssd_jax.drafters import draft_prefill
+    from ssd_jax.drafters.model import draft_prefill
 
     cache = draft_prefill(draft.params, cache, jnp.asarray(prompt), n_valid, cfg=cfg)
     cur = jnp.asarray([5, 6], jnp.int32)
     spec = jnp.asarray([[11, 12, 13], [14, 15, 16]], jnp.int32)
     fan = np.asarray([[2, 1, 2, 1], [1, 2, 1, 2]])
-    kb, rb = (jnp.asarray(x) for x in ssd_mod.fo.branch_layout(fan, M))
+    kb, rb = (jnp.asarray(x) for x in fo.branch_layout(fan, M))
     rs = RowSampling.broadcast(SamplingParams(temperature=1.0), B)
     fanK = jnp.ones((B, K), jnp.int32)
     tree, cache2 = jax.jit(lambda *a: ssd_mod.build_tree(*a, cfg=cfg, opts=opts))(
@@ -256,7 +258,7 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
     single = generate(target, PROMPTS, sp, base)
 
     seen = {"target": set(), "draft": set()}
-    real_place = ssd_mod.place
+    real_place = ssd_loop.place
 
     def spy(t, d, spec):
         pl = real_place(t, d, spec)
@@ -266,7 +268,7 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
             seen["draft"] |= {dev.id for dev in leaf.devices()}
         return pl
 
-    monkeypatch.setattr(ssd_mod, "place", spy)
+    monkeypatch.setattr(ssd_loop, "place", spy)
     trace = tmp_path / "t.json"
     two = generate(target, PROMPTS, sp, dataclasses.replace(base, target_devices=4, draft_devices=4), trace=str(trace))
     assert seen["target"] == {0, 1, 2, 3} and seen["draft"] == {4, 5, 6, 7}
@@ -280,7 +282,7 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
 def test_overlap_visible_in_trace(pair, tmp_path):
     """On separate meshes the draft's cache build of round T starts before the target's verify of round T ends."""
     target, draft = pair
-    from ssd_jax.trace import Timeline
+    from ssd_jax.decoding.trace import Timeline
 
     seen = {}
     orig = Timeline.close

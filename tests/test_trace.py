@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from ssd_jax.trace import Timeline, lane_for
+from ssd_jax.decoding.trace import Timeline, lane_for
 
 
 @jax.jit

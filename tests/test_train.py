@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from test_loading import tiny_tokenizer
 
+from ssd_jax import training as T
+from ssd_jax.cli import train as train_cli
 from ssd_jax.errors import UserError
 from ssd_jax.loading import draft as dfmt
 from ssd_jax.loading import load_model, store
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import flatten, init_params
-from ssd_jax import training as T
-from ssd_jax.cli import train as train_cli
 from ssd_jax.training import loop as train_loop
 
 TARGET_CFG = ModelConfig(

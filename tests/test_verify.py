@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ssd_jax.sampling import RowSampling, SamplingParams, filter_logprobs, sample
-from ssd_jax.verify import (
+from ssd_jax.sampling.filters import RowSampling, SamplingParams, filter_logprobs, sample
+from ssd_jax.sampling.rejection import (
     VerifyResult,
     acceptance_prob,
     emitted_tokens,

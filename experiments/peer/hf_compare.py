@@ -109,7 +109,7 @@ def main() -> None:
     import ssd_jax
     from ssd_jax.bench.common import environment
     from ssd_jax.data.prompts import load_prompts
-    from ssd_jax.engine import encode_prompts
+    from ssd_jax.decoding.batch import encode_prompts
 
     tok_model = ssd_jax.load_model(args.target)
     texts = [r["prompt"] for c in ("code", "chat", "math") for r in load_prompts(c, n=1)][: args.prompts]

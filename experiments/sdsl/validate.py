@@ -43,9 +43,9 @@ def prompts(n: int) -> list[str]:
 
 
 def timed(target, ps, sp, spec) -> dict:
-    from ssd_jax import generate
-
     import dataclasses
+
+    from ssd_jax import generate
 
     generate(target, ps[:1], dataclasses.replace(sp, max_new_tokens=4), spec, chat=True)  # compile
     runs = [generate(target, [p], sp, spec, chat=True).metrics for p in ps]

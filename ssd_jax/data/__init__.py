@@ -39,7 +39,15 @@ tasks). This package face re-exports the public names; it imports nothing from t
 benchmarking.
 """
 
-from ssd_jax.data.packages import PACKAGES, SOURCES, DataPackage, data_root, ensure_package, fetch_all, package_dir
+from ssd_jax.data.packages import (
+    PACKAGES,
+    SOURCES,
+    DataPackage,
+    data_root,
+    ensure_package,
+    fetch_all,
+    package_dir,
+)
 from ssd_jax.data.prompts import (
     CATEGORIES,
     COPY_TEMPLATES,

@@ -6,6 +6,8 @@ builds a :class:`NumpyModel` without importing the package face that imports it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 
 import numpy as np
@@ -37,3 +39,4 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     weights_sha256: str
     source: str
+    mesh: Any = None  # a jax.sharding.Mesh once placed on one (tensor parallel / SSD meshes); None = one device

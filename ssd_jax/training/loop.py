@@ -16,7 +16,13 @@ from ssd_jax.models.params import count_params
 from ssd_jax.training.args import RESUME_KEYS, TrainArgs, eval_batch_count
 from ssd_jax.training.checkpoint import RunDir, log, tensors_sha256
 from ssd_jax.training.corpus import Corpus, build_corpus, eval_batches, train_batch
-from ssd_jax.training.draft_model import init_layer_indices, init_trained, param_report, shared_names, size_draft
+from ssd_jax.training.draft_model import (
+    init_layer_indices,
+    init_trained,
+    param_report,
+    shared_names,
+    size_draft,
+)
 from ssd_jax.training.objective import evaluate, make_eval_step, make_optimizer, make_train_step
 
 

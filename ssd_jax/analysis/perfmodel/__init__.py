@@ -33,7 +33,7 @@ host cost per round: dispatch, synchronisation, scheduling)::
          build   = t_fwd(draft, M=b(K+1)) + K · t_fwd(draft, M=b·B/d) (+ sampling), B = Σ F_k
                    branches per row sharded over d draft devices
          backup  = K draft steps (neural) or ~0 (fast / n-gram)
-         Theorem 7 / Corollary 16 (``fanout.predicted_speedup``):
+         Theorem 7 / Corollary 16 (``analysis.speedup.predicted_speedup``):
          S = [p·E_hit + (1−p)·E_miss] / [p^b·max(1, T_p) + (1 − p^b)·(1 + T_b)],
          T_p = build/u, T_b = backup/u, tokens/s per sequence = S / u.
          When the draft shares the target's compute (one device, or CPU "devices" that share

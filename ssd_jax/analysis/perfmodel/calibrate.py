@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 
 from ssd_jax.analysis.perfmodel.hardware import HARDWARE, Hardware
-from ssd_jax.analysis.perfmodel.roofline import Prediction, forward_time, predict_ar, predict_sd, predict_ssd, sample_time
+from ssd_jax.analysis.perfmodel.roofline import (
+    Prediction,
+    forward_time,
+    predict_ar,
+    predict_sd,
+    predict_ssd,
+    sample_time,
+)
 from ssd_jax.analysis.perfmodel.shapes import ModelShape, model_shape
 from ssd_jax.analysis.sdsl import expected_tokens
 from ssd_jax.models.config import ModelConfig

@@ -9,7 +9,7 @@ from typing import Any
 from ssd_jax.analysis.perfmodel.hardware import Hardware
 from ssd_jax.analysis.perfmodel.shapes import ModelShape
 from ssd_jax.analysis.sdsl import expected_tokens
-from ssd_jax.fanout import predicted_speedup
+from ssd_jax.analysis.speedup import predicted_speedup
 
 # --- one forward pass -------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ def predict_ssd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, 
                 tau_hit: float, tau_miss: float, backup: str = "neural", batch: int = 1, context: float = 512,
                 tp: int = 1, draft_devices: int = 1, shared: bool | None = None, draft_hw: Hardware | None = None,
                 draft_loop: str = "fused", t_fast: float = 0.0) -> Prediction:
-    """SSD by Theorem 7 / Corollary 16 (``fanout.predicted_speedup``) with modelled component times.
+    """SSD by Theorem 7 / Corollary 16 (``analysis.speedup.predicted_speedup``) with modelled component times.
 
     ``fan_budget``: branches per row (Σ F_k); ``backup``: "neural" (K draft steps on a miss)
     or "fast" (n-gram / random, ``t_fast`` seconds). ``shared``: the draft runs on the

@@ -1,4 +1,7 @@
-"""Ahead-of-time compiled model steps with static shapes.
+"""The AR model steps (prefill, one-token decode) as ahead-of-time compiled programs
+(:class:`ssd_jax.compile.Compiled`, re-exported here).
+
+Ahead-of-time compiled model steps with static shapes.
 
 Every device step of the engine (prefill, one-token decode, later draft and verify
 rounds) is one jitted function of a frozen config. :class:`Compiled` lowers and compiles
@@ -10,61 +13,16 @@ generation loop can never recompile behind the user's back.
 from __future__ import annotations
 
 import functools
-import time
-from typing import Any
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from ssd_jax.compile import Compiled
 from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.llama import KVCache
 from ssd_jax.models.params import Params
-from ssd_jax.sampling import RowSampling, sample
-
-
-def _leaf_key(x):
-    if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.sharding)
-    if hasattr(x, "shape"):
-        return (tuple(x.shape), str(x.dtype))
-    return (type(x), x)
-
-
-class Compiled:
-    """A jitted function compiled ahead of time once per argument signature."""
-
-    def __init__(self, fn: Callable, *, donate_argnums: tuple[int, ...] = (), name: str = ""):
-        self.name = name or getattr(fn, "__name__", "fn")
-        self._jit = jax.jit(fn, donate_argnums=donate_argnums)
-        self._exe: dict[Any, Any] = {}
-        self.compile_s = 0.0
-        self.compiles = 0
-
-    def _key(self, args):
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        return tree, tuple(_leaf_key(x) for x in leaves)
-
-    def precompile(self, *args) -> float:
-        """Compile for ``args``' signature if needed; returns the seconds spent compiling."""
-        key = self._key(args)
-        if key in self._exe:
-            return 0.0
-        t = time.perf_counter()
-        self._exe[key] = self._jit.lower(*args).compile()
-        dt = time.perf_counter() - t
-        self.compile_s += dt
-        self.compiles += 1
-        return dt
-
-    def __call__(self, *args):
-        key = self._key(args)
-        exe = self._exe.get(key)
-        if exe is None:
-            self.precompile(*args)
-            exe = self._exe[key]
-        return exe(*args)
+from ssd_jax.sampling.filters import RowSampling, sample
 
 
 # --- the AR steps ---------------------------------------------------------------------

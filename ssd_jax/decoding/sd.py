@@ -27,13 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax import runtime
-from ssd_jax.drafters import make_drafter, ngram_lookup
-from ssd_jax.engine import GenerationResult, RowState, _cache_for, _put, eos_ids, plan_batch, speed_metrics
+from ssd_jax.decoding import runtime
+from ssd_jax.decoding.batch import GenerationResult, RowState, eos_ids, plan_batch, speed_metrics
+from ssd_jax.decoding.stats import AcceptanceStats
+from ssd_jax.drafters import make_drafter
+from ssd_jax.drafters.ngram import ngram_lookup
 from ssd_jax.models import llama
-from ssd_jax.sampling import RowSampling
-from ssd_jax.stats import AcceptanceStats
-from ssd_jax.verify import emitted_tokens, verify
+from ssd_jax.parallel.placement import cache_for as _cache_for
+from ssd_jax.parallel.placement import put_on as _put
+from ssd_jax.sampling.filters import RowSampling
+from ssd_jax.sampling.rejection import emitted_tokens, verify
 
 
 def target_score(params, cache, cur_B, draft_BxK, *, cfg):
@@ -92,7 +95,7 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
     q = None
     n_draft = jnp.full((B,), k, jnp.int32)
     if kind == "model":
-        from ssd_jax.drafters import draft_propose
+        from ssd_jax.drafters.model import draft_propose
 
         def variant(c):
             def run(args):
@@ -129,7 +132,7 @@ def sd_steps(cfg, needs_filter: bool):
 
 
 def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> GenerationResult:
-    from ssd_jax.drafters import ModelDrafter
+    from ssd_jax.drafters.model import ModelDrafter
 
     rows_prompt = [p for p in prompts for _ in range(sampling.n)]
     rows_ids = [x for x in ids for _ in range(sampling.n)]

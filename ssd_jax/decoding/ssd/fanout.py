@@ -68,6 +68,8 @@ from typing import Any
 
 import numpy as np
 
+from ssd_jax.analysis.speedup import choose_backup, critical_batch_size, predicted_speedup  # noqa: F401 (re-exported)
+
 A_CLIP = (1e-3, 1.0 - 1e-3)  # a range accepted by the schedule (P(k) stays positive)
 R_CLIP = (0.01, 5.0)  # r range accepted by the schedule
 R_EST_CLIP = (0.05, 2.0)  # r range the online estimate is clipped to
@@ -347,53 +349,3 @@ class FanoutEstimator:
             "schedule": self.schedule().tolist(),
             "schedule_post_miss": self.schedule(post_miss=True).tolist(),
         }
-
-
-# --- speedup model and backup policy -------------------------------------------------------
-def predicted_speedup(
-    p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_backup: float, batch: int
-) -> float:
-    """SSD speedup over AR (Theorem 7, Corollary 16 for batch), times in target-verify units."""
-    if not 0.0 <= p_hit <= 1.0:
-        raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    q = float(p_hit) ** int(batch)
-    num = p_hit * e_hit + (1.0 - p_hit) * e_miss
-    return float(num / (q * max(1.0, t_primary) + (1.0 - q) * (1.0 + t_backup)))
-
-
-def _speedups_over_batches(
-    b: np.ndarray, p_hit: float, e_hit: float, e_miss_neural: float, e_miss_fast: float,
-    t_primary: float, t_neural: float, t_fast: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    q = float(p_hit) ** b.astype(np.float64)
-    tp = max(1.0, t_primary)
-    s_n = (p_hit * e_hit + (1.0 - p_hit) * e_miss_neural) / (q * tp + (1.0 - q) * (1.0 + t_neural))
-    s_f = (p_hit * e_hit + (1.0 - p_hit) * e_miss_fast) / (q * tp + (1.0 - q) * (1.0 + t_fast))
-    return s_n, s_f
-
-
-def critical_batch_size(
-    p_hit: float, e_hit: float, e_miss_neural: float, e_miss_fast: float,
-    t_primary: float, t_neural: float, t_fast: float, b_max: int = 4096,
-) -> int:
-    """Smallest batch ``b ≥ 1`` where the fast backup's speedup ≥ the neural one's; ``b_max + 1`` if none."""
-    if not 0.0 <= p_hit <= 1.0:
-        raise ValueError(f"p_hit must be in [0, 1], got {p_hit}")
-    b = np.arange(1, int(b_max) + 1)
-    s_n, s_f = _speedups_over_batches(b, p_hit, e_hit, e_miss_neural, e_miss_fast, t_primary, t_neural, t_fast)
-    wins = np.nonzero(s_f >= s_n)[0]
-    return int(b[wins[0]]) if wins.size else int(b_max) + 1
-
-
-def choose_backup(
-    batch: int, p_hit: float, e_hit: float, e_miss_neural: float, e_miss_fast: float,
-    t_primary: float, t_neural: float, t_fast: float,
-) -> str:
-    """``"fast"`` when the fast backup's predicted speedup at this batch is at least the neural one's."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    s_n, s_f = _speedups_over_batches(np.array([int(batch)]), p_hit, e_hit, e_miss_neural, e_miss_fast,
-                                      t_primary, t_neural, t_fast)
-    return "fast" if s_f[0] >= s_n[0] else "neural"

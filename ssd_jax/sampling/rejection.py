@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling import RowSampling, filter_logprobs
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs
 
 __all__ = [
     "VerifyResult",

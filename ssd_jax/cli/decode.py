@@ -1,0 +1,225 @@
+"""``python -m ssd_jax.decode``: generate text with AR, SD or SSD decoding.
+
+With ``--json`` exactly one JSON object goes to stdout::
+
+    {"method": ..., "outputs": [{"prompt", "text", "token_ids", ...}, ...],
+     "metrics": {"generated_tokens", "tokens_per_s", "ttft_s", "tpot_s", "wall_s", "compile_s", ...}}
+
+Without it, text streams to stdout as it is generated, followed by a summary line on stderr.
+With no arguments the default model answers a built-in prompt. Bad input prints one line
+to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ssd_jax.cli.args import Parser
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m ssd_jax.decode", description=__doc__.split("\n")[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="registry name, .gguf file or HF directory")
+    g.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (accelerator default)")
+    g = p.add_argument_group("input")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' (or 'text') field")
+    g.add_argument("--prompt-ids", action="append", default=[], help="raw token ids '1,2,3' (repeatable)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--n", type=int, default=1, help="samples per prompt, run as one batch")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g = p.add_argument_group("speculation")
+    g.add_argument("--method", default="ar", help="ar | sd | ssd")
+    g.add_argument("--draft", default=None, help="draft model name or path, 'ngram' or 'random'")
+    g.add_argument("--k", type=int, default=4, help="speculative tokens per round")
+    g.add_argument("--prompt-lookup-min", type=int, default=1)
+    g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g = p.add_argument_group("speculative speculative decoding (--method ssd)")
+    g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
+                   "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
+    g.add_argument("--fan-out-budget", type=int, default=None, help="branches per sequence for geometric "
+                   "fan-out (default 2*(k+1))")
+    g.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting of cached tokens in "
+                   "the draft distribution, in [0, 1] (1 = plain sampling)")
+    g.add_argument("--backup", default="auto", help="cache-miss fallback: neural | ngram | random | auto "
+                   "(neural below the critical batch size b*, n-gram above)")
+    g.add_argument("--target-devices", type=int, default=None, help="target mesh size (tensor parallel)")
+    g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
+                   "target's); without either flag both models share one device")
+    g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
+    g.add_argument("--profile-stages", action="store_true", help="sd: time the draft, verify and sample stages "
+                   "separately (one call and sync each per round, slower; default: one call per round, stage "
+                   "times null)")
+    g.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host: "
+                   "run the same command on every host; meshes then span jax.devices() of all hosts)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return p
+
+
+def read_prompts(args) -> list:
+    prompts: list = list(args.prompt)
+    if args.prompts_file:
+        from ssd_jax.errors import UserError
+
+        if not os.path.isfile(args.prompts_file):
+            raise UserError(f"prompts file not found: {args.prompts_file}")
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if line.lstrip().startswith("{"):
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{args.prompts_file}:{n}: invalid JSON ({e.msg})") from None
+                    text = obj.get("prompt", obj.get("text"))
+                    if not isinstance(text, str):
+                        raise UserError(f"{args.prompts_file}:{n}: JSON line has no 'prompt' string")
+                    prompts.append(text)
+                else:
+                    prompts.append(line)
+    for s in args.prompt_ids:
+        from ssd_jax.errors import UserError
+
+        try:
+            prompts.append([int(t) for t in s.replace(" ", "").split(",") if t])
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
+    return prompts
+
+
+def run(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.distributed:
+        import jax
+
+        jax.distributed.initialize()  # coordinator / process ids from the environment (TPU, SLURM, or JAX_* vars)
+    from ssd_jax.decoding.spec import SpecConfig
+    from ssd_jax.errors import UserError
+    from ssd_jax.sampling.filters import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        n=args.n,
+    )
+    sampling.validate()  # fail on bad flags before loading anything
+    if args.method in ("sd", "ssd") and args.draft is None:
+        from ssd_jax.drafters import default_draft
+
+        args.draft = default_draft(args.target)
+    spec = SpecConfig(
+        method=args.method,
+        draft=args.draft,
+        k=args.k,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        fan_out=args.fan_out if args.fan_out == "geometric" else _int_flag("--fan-out", args.fan_out),
+        fan_out_budget=args.fan_out_budget,
+        saguaro_c=args.saguaro_c,
+        backup=args.backup,
+        target_devices=args.target_devices,
+        draft_devices=args.draft_devices,
+        profile_stages=args.profile_stages,
+    )
+    import jax
+
+    spec.validate(n_devices=len(jax.devices()))
+    if args.trace and args.method != "ssd":
+        raise UserError("--trace records SSD rounds; use it with --method ssd")
+
+    prompts = read_prompts(args)
+    if not prompts:
+        if args.prompts_file:
+            raise UserError(f"no prompts in {args.prompts_file}")
+        prompts = [DEFAULT_PROMPT]
+        args.chat = True
+    for p in prompts:
+        if isinstance(p, str) and not p.strip():
+            raise UserError("empty prompt")
+        if not isinstance(p, str) and not p:
+            raise UserError("empty prompt (--prompt-ids)")
+
+    from ssd_jax import generate, load_model  # the public API (load_model picks the device's default dtype)
+
+    model = load_model(args.target, dtype=args.dtype)
+    stream = not args.json and len(prompts) * args.n == 1
+
+    def on_text(row, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    res = generate(model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None,
+                   trace=args.trace)
+    m = res.metrics
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    if stream:
+        print()
+    else:
+        for i, o in enumerate(res.outputs):
+            print(f"--- [{i}] {o['prompt'] if isinstance(o['prompt'], str) else o['prompt'][:8]}")
+            print(o["text"])
+    print(
+        f"[{res.method}] {m['generated_tokens']} tokens in {m['wall_s']:.2f}s: {m['tokens_per_s']:.2f} tok/s, "
+        f"ttft {m['ttft_s']:.3f}s, tpot {m['tpot_s'] * 1e3:.1f}ms, compile {m['compile_s']:.1f}s",
+        file=sys.stderr,
+    )
+    if "acceptance_rate" in m:
+        print(
+            f"[{res.method}] draft {m['draft']} k={m['k']}: acceptance {m['acceptance_rate']:.2f}, "
+            f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
+            + (f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
+               f"overhead {m['overhead_s']:.2f}s" if m.get("draft_s") is not None else "stage times: --profile-stages"),
+            file=sys.stderr,
+        )
+    if "cache_hit_rate" in m:
+        print(
+            f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "
+            f"tokens/round {m['tau_hit']:.2f} on hits, {m['tau_miss']:.2f} on misses; fan-out "
+            f"{m['fanout']['mode']} {m['fanout']['schedule']}; fallbacks {m['fallback_calls']}; "
+            f"build/verify overlap {m['overlap_fraction']:.2f}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _int_flag(name, value) -> int:
+    from ssd_jax.errors import UserError
+
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name} must be an integer or 'geometric', got {value!r}") from None
+
+
+def main(argv=None) -> int:
+    from ssd_jax.errors import cli_main
+
+    return cli_main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

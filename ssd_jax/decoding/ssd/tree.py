@@ -1,0 +1,238 @@
+"""The SSD device programs: the speculation tree (cache build: re-run, top-F candidates excluding
+the next proposal, all branches decoded K steps under a tree mask), the on-device lookup with
+the fallback in the same program, the first round's speculation and the host-proposal merge.
+See :mod:`ssd_jax.decoding.ssd` for the algorithm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ssd_jax.decoding import runtime
+from ssd_jax.drafters.base import align_vocab
+from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.models import llama
+from ssd_jax.sampling.rejection import mark_point_mass
+from ssd_jax.sampling.saguaro import draft_sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Spec:
+    """The speculation verified next, per row."""
+
+    tokens: jax.Array  # (B, K) int32
+    n_draft: jax.Array  # (B,) int32
+    q: jax.Array | None  # (B, K, V) float32 log-probs (-inf rows = point masses), None when greedy
+    hit: jax.Array  # (B,) bool, came from the speculation cache
+
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Tree:
+    """The speculation cache of one round: B branches per row keyed by (k, t)."""
+
+    k: jax.Array  # (B, M) int32 accepted-length key, -1 for unused slots
+    t: jax.Array  # (B, M) int32 bonus-token key
+    tokens: jax.Array  # (B, M, K) int32
+    q: jax.Array | None  # (B, M, K, V) float32, None when greedy
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Opts:
+    """Static options of the SSD programs (hashable: part of the compile cache key)."""
+
+    k: int
+    budget: int
+    vocab: int  # the target's vocabulary size (draft logits are aligned to it)
+    rand_vocab: int  # ids the random backup draws from
+    needs_filter: bool
+    greedy: bool
+    c: float
+    tree_base: int  # first slot of the tree region in the draft cache
+    mesh: jax.sharding.Mesh | None = None  # the draft mesh; with > 1 device the branch axis is sharded over it
+
+
+
+def branch_sharding(mesh, ndim: int) -> NamedSharding:
+    """(B, M, ...) arrays: the branch axis M split over the draft mesh."""
+    return NamedSharding(mesh, PartitionSpec(None, "tp", *([None] * (ndim - 2))))
+
+
+
+def _constrain(x, opts: Opts):
+    if opts.mesh is None or x is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, branch_sharding(opts.mesh, x.ndim))
+
+
+
+def _replicate(tree, opts: Opts):
+    if opts.mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(opts.mesh, PartitionSpec()))
+
+
+
+def draft_chain(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts):
+    """K draft tokens after ``cur`` (cache lengths = committed length; cur not in the cache).
+
+    Returns (tokens (B, K), q (B, K, V) | None, cache with the same lengths).
+    """
+    start = cache.lengths
+
+    def body(carry, xs):
+        cache, tok = carry
+        d, key_d = xs
+        h, cache = llama.forward(params, cfg, tok[:, None], cache.with_lengths(start + d))
+        lg = align_vocab(llama.logits(params, cfg, h[:, 0]), opts.vocab)
+        nxt, lp = draft_sample(key_d, lg, rs, fan_BxK[:, d], needs_filter=opts.needs_filter, greedy=opts.greedy,
+                               c=opts.c, f_max=opts.budget)
+        return (cache, nxt), (nxt, lp)
+
+    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, cur_B), (jnp.arange(opts.k), jax.random.split(key, opts.k)))
+    q = None if qs is None else jnp.moveaxis(qs, 0, 1)
+    return toks.T, q, cache.with_lengths(start)
+
+
+
+def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_BxK, key, rs, *, cfg, opts: Opts):
+    """Predict the outcomes of the speculation being verified and pre-draft each (see module doc)."""
+    K, M = opts.k, opts.budget
+    B = cur_B.shape[0]
+    start = cache.lengths
+    # 1. re-run [cur, s_1..s_K]: K+1 next-token distributions, and those slots written
+    h, cache = llama.forward(params, cfg, jnp.concatenate([cur_B[:, None], spec_tokens], axis=1), cache)
+    lg = align_vocab(llama.logits(params, cfg, h), opts.vocab)  # (B, K+1, V)
+    # 2. candidates: top-M per position, excluding s_{k+1} where it was a real proposal
+    nxt = jnp.concatenate([spec_tokens, jnp.zeros((B, 1), spec_tokens.dtype)], axis=1)
+    excl = jnp.arange(K + 1)[None, :] < spec_n[:, None]
+    cur_val = jnp.take_along_axis(lg, nxt[..., None], axis=-1)
+    lg = jnp.put_along_axis(lg, nxt[..., None], jnp.where(excl[..., None], -jnp.inf, cur_val), axis=-1, inplace=False)
+    _, cand = jax.lax.top_k(lg, M)  # (B, K+1, M)
+    valid = kb_BxM >= 0
+    kb = jnp.clip(kb_BxM, 0, K)
+    flat = kb * M + jnp.clip(rb_BxM, 0, M - 1)
+    t0 = jnp.take_along_axis(cand.reshape(B, (K + 1) * M), flat, axis=1).astype(jnp.int32)
+    t0 = _constrain(t0, opts)
+    # 3. decode every branch K steps under the tree mask
+    S = cache.max_len
+    slot = jnp.arange(S)
+    prefix = slot[None, None, :] <= (start[:, None] + kb)[:, :, None]  # context + cur + s_1..s_k
+    base = opts.tree_base + jnp.arange(M) * K  # (M,) first tree slot of each branch
+    pos0 = start[:, None] + kb + 1
+
+    def body(carry, xs):
+        cache, tok = carry
+        d, key_d = xs
+        own = (slot[None, :] >= base[:, None]) & (slot[None, :] <= base[:, None] + d)  # (M, S)
+        h, cache = llama.forward(
+            params, cfg, tok, cache,
+            positions_BxT=pos0 + d,
+            slots_BxT=jnp.broadcast_to(base + d, (B, M)),
+            mask_BxTxS=prefix | own[None],
+        )
+        lg = align_vocab(llama.logits(params, cfg, h), opts.vocab)  # (B, M, V)
+        fan = jnp.broadcast_to(fan_BxK[:, d][:, None], (B, M))
+        nxt, lp = draft_sample(key_d, lg, rs, fan, needs_filter=opts.needs_filter, greedy=opts.greedy,
+                               c=opts.c, f_max=opts.budget)
+        return (cache, _constrain(nxt, opts)), (nxt, lp)
+
+    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, t0), (jnp.arange(K), jax.random.split(key, K)))
+    tree = Tree(
+        k=_constrain(jnp.where(valid, kb, -1), opts),
+        t=t0,
+        tokens=_constrain(jnp.moveaxis(toks, 0, 2), opts),
+        q=None if qs is None else _constrain(jnp.moveaxis(qs, 0, 2), opts),
+    )
+    return tree, _replicate(cache.with_lengths(start), opts)
+
+
+
+def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key, rs, fan_BxK, *, cfg, opts: Opts,
+            backup: str):
+    """Cache lookup for the verification outcome, plus the fallback for rows that missed.
+
+    ``backup``: "neural" (re-draft just in time, skipped by ``lax.cond`` when every live row
+    hit), "random" (point-mass random tokens) or "host" (the host merges n-gram proposals).
+    Returns (next Spec, draft cache at the new committed lengths).
+    """
+    B, K = bonus_B.shape[0], opts.k
+    match = (tree.k == n_acc_B[:, None]) & (tree.t == bonus_B[:, None])
+    hit = match.any(axis=1)
+    idx = jnp.argmax(match, axis=1)
+    tokens = jnp.take_along_axis(tree.tokens, idx[:, None, None], axis=1)[:, 0]
+    q = None if tree.q is None else jnp.take_along_axis(tree.q, idx[:, None, None, None], axis=1)[:, 0]
+    cache = cache.with_lengths(new_len_B)
+    n_draft = jnp.full((B,), K, jnp.int32)
+    if backup == "neural":
+        def redraft(cache):
+            return draft_chain(params, cache, bonus_B, key, rs, fan_BxK, cfg=cfg, opts=opts)
+
+        def keep(cache):
+            return tokens, q, cache
+
+        f_tok, f_q, cache = jax.lax.cond(jnp.any(live_B & ~hit), redraft, keep, cache)
+        tokens = jnp.where(hit[:, None], tokens, f_tok)
+        if q is not None:
+            q = jnp.where(hit[:, None, None], q, f_q)
+    elif backup == "random":
+        rnd = jax.random.randint(key, (B, K), 0, opts.rand_vocab, jnp.int32)
+        tokens = jnp.where(hit[:, None], tokens, rnd)
+        if q is not None:
+            q = mark_point_mass(q, jnp.broadcast_to(~hit[:, None], (B, K)))
+    return _replicate((Spec(tokens, n_draft, q, hit), cache), opts)
+
+
+
+def first_spec(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts, backup: str):
+    """The first round's speculation (no cache yet): neural drafting or random point masses."""
+    B, K = cur_B.shape[0], opts.k
+    miss = jnp.zeros((B,), bool)
+    if backup == "neural":
+        tokens, q, cache = draft_chain(params, cache, cur_B, key, rs, fan_BxK, cfg=cfg, opts=opts)
+        return _replicate((Spec(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
+    tokens = jax.random.randint(key, (B, K), 0, opts.rand_vocab, jnp.int32)
+    q = None if opts.greedy else jnp.full((B, K, opts.vocab), -jnp.inf, jnp.float32)
+    return _replicate((Spec(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
+
+
+
+def merge_host(spec: Spec, use_B, tokens_BxK, n_B, *, opts: Opts) -> Spec:
+    """Replace the rows in ``use_B`` by host proposals (point masses, e.g. n-gram lookups)."""
+    B, K = tokens_BxK.shape
+    q = spec.q
+    if q is not None:
+        q = mark_point_mass(q, jnp.broadcast_to(use_B[:, None], (B, K)))
+    out = Spec(jnp.where(use_B[:, None], tokens_BxK, spec.tokens), jnp.where(use_B, n_B, spec.n_draft), q, spec.hit)
+    return _replicate(out, opts)
+
+
+
+@functools.lru_cache(maxsize=32)
+def ssd_programs(cfg, opts: Opts):
+    """Compiled draft-side programs for one draft config and option set."""
+    C = runtime.Compiled
+    return {
+        "prefill": C(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill"),
+        "build": C(functools.partial(build_tree, cfg=cfg, opts=opts), donate_argnums=(1,), name="build"),
+        **{
+            f"advance_{b}": C(functools.partial(advance, cfg=cfg, opts=opts, backup=b), donate_argnums=(2,),
+                              name=f"advance_{b}")
+            for b in ("neural", "random", "host")
+        },
+        **{
+            f"first_{b}": C(functools.partial(first_spec, cfg=cfg, opts=opts, backup=b), donate_argnums=(1,),
+                            name=f"first_{b}")
+            for b in ("neural", "random")
+        },
+        "merge": C(functools.partial(merge_host, opts=opts), name="merge"),
+    }
+

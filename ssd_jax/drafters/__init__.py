@@ -1,0 +1,67 @@
+"""Drafters: who proposes the K speculative tokens of a round.
+
+All drafters answer one question per round, for a whole batch: given each row's committed
+context and its pending token ``cur`` (sampled but not yet in any KV cache), propose up to K
+next tokens. They return ``Proposal(tokens_BxK, n_draft_B, q_BxKxV | None)``; ``q`` is the
+filtered draft distribution each token was sampled from, or None for point-mass proposals
+(n-gram, random), which the verifier then treats by the point-mass rule.
+
+* :class:`ModelDrafter` - a small LM with its own KV cache. K draft steps are ONE jitted call
+  (``lax.scan``). The first step feeds ``[prev, cur]`` at slots ``len-1, len``: rewriting the
+  last context token is idempotent, and it fills the slot that is missing when the previous
+  round accepted all K tokens (the draft never fed its own K-th token). So after verification
+  the draft cache is rolled back by simply setting its lengths to the target's.
+* :class:`NgramDrafter` - prompt lookup (vLLM's ``prompt_lookup_min/max``): find the most
+  recent earlier occurrence of the context's last n tokens (n from max down to min) and
+  propose what followed it. Runs on the host over numpy; rows without a match propose 0.
+* :class:`RandomDrafter` - uniform random tokens (the paper's fast SSD backup; acceptance ≈ 0).
+
+The same interface serves SSD's cache-miss fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ssd_jax.drafters.base import check_same_tokenizer
+from ssd_jax.drafters.model import ModelDrafter
+from ssd_jax.drafters.ngram import NgramDrafter
+from ssd_jax.drafters.random import RandomDrafter
+
+#: target registry name -> the draft used when --draft is not given (paths are relative to the repo)
+DEFAULT_DRAFTS = {
+    "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct",
+    "smollm2-135m-instruct": "checkpoints/smollm2-135m-draft",
+}
+
+
+
+def default_draft(target: str) -> str:
+    """The default draft for a target name (a registry name, or a shipped checkpoint directory)."""
+    from pathlib import Path
+
+    from ssd_jax.errors import UserError
+
+    d = DEFAULT_DRAFTS.get(str(target))
+    if d is None:
+        raise UserError(f"no default draft for {target}; pass --draft NAME_OR_PATH (or ngram)")
+    if d.startswith("checkpoints/"):
+        path = Path(__file__).resolve().parents[2] / d  # the repository root
+        if not path.exists():
+            raise UserError(f"the default draft for {target} ({d}) is not in this checkout; pass --draft")
+        return str(path)
+    return d
+
+
+
+def make_drafter(spec, target, sampling, load) -> Any:
+    """Build the drafter named by ``spec.draft`` for ``target`` (``load`` loads a model by name)."""
+    d = spec.draft
+    if d == "ngram":
+        return NgramDrafter(spec.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if d == "random":
+        tok = target.tokenizer
+        return RandomDrafter(spec.k, tok.vocab_size if tok is not None else target.cfg.vocab_size)
+    model = load(d) if isinstance(d, str) else d
+    check_same_tokenizer(target, model)
+    return ModelDrafter(model, spec.k, target.cfg.vocab_size, sampling.needs_filter)
+

@@ -1,0 +1,37 @@
+"""Uniform random proposals (the SSD paper's fast backup; acceptance about 0); point masses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ssd_jax.drafters.base import Proposal
+
+
+class RandomDrafter:
+    """Uniform random proposals (point masses)."""
+
+    kind = "random"
+    compile_s = 0.0
+
+    def __init__(self, k: int, vocab: int):
+        self.k, self.vocab = k, vocab
+
+    def start(self, *a, **kw) -> float:
+        return 0.0
+
+    def prefill(self) -> None:
+        pass
+
+    def precompile(self, *a) -> float:
+        return 0.0
+
+    def propose(self, prev_B, cur_B, key, rs, history=None) -> Proposal:
+        B = cur_B.shape[0]
+        toks = jax.random.randint(key, (B, self.k), 0, self.vocab, jnp.int32)
+        return Proposal(toks, jnp.full((B,), self.k, jnp.int32), None)
+
+    def commit(self, lengths_B, all_accepted: bool = True) -> None:
+        pass
+

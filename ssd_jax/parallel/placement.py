@@ -1,0 +1,77 @@
+"""Placement: models, KV caches and small host arrays on a model's mesh (or its one device), and
+the disjoint target and draft meshes of SSD. The mesh is the ``LoadedModel.mesh`` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from ssd_jax.models import llama
+
+
+def cache_for(model, batch: int, max_len: int) -> llama.KVCache:
+    cache = llama.init_cache(model.cfg, batch, max_len)
+    mesh = model.mesh
+    if mesh is not None:
+        from ssd_jax.parallel.sharding import cache_sharding, replicated
+
+        sh = cache_sharding(model.cfg, mesh, batch, max_len)
+        cache = llama.KVCache(
+            [jax.device_put(x, sh) for x in cache.k],
+            [jax.device_put(x, sh) for x in cache.v],
+            jax.device_put(cache.lengths, replicated(mesh)),
+        )
+    return cache
+
+
+
+def put_on(model, x):
+    """Place a small host array where the model lives (replicated over its mesh)."""
+    mesh = model.mesh
+    if mesh is None:
+        return jax.device_put(x)
+    from ssd_jax.parallel.sharding import replicated
+
+    return jax.device_put(x, replicated(mesh))
+
+
+
+@dataclasses.dataclass
+class Placement:
+    target: object  # the target model, placed
+    draft: object  # the draft model, placed
+    target_devices: list
+    draft_devices: list
+    single: bool
+
+    def put_target(self, x):
+        return jax.device_put(x, self._t_rep)
+
+    def put_draft(self, x):
+        return jax.device_put(x, self._d_rep)
+
+
+
+def place(target, draft, spec) -> Placement:
+    """Put the target on its (tensor-parallel) mesh and the draft on a disjoint mesh.
+
+    Without device counts both share ``jax.devices()[0]`` (single-device mode).
+    """
+    from ssd_jax.parallel.sharding import make_mesh, replicated, shard_params, split_devices
+
+    if spec.target_devices is None and spec.draft_devices is None:
+        dev = jax.devices()[0]
+        pl = Placement(target, draft, [dev], [dev], True)
+        pl._t_rep = pl._d_rep = jax.sharding.SingleDeviceSharding(dev)
+        return pl
+    tdevs, ddevs = split_devices(spec.target_devices, spec.draft_devices, separate=True)
+    tmesh, dmesh = make_mesh(tdevs), make_mesh(ddevs)
+    t = dataclasses.replace(target, params=shard_params(target.cfg, target.params, tmesh), mesh=tmesh)
+    rep = replicated(dmesh)
+    d = dataclasses.replace(draft, params=jax.tree.map(lambda x: jax.device_put(x, rep), draft.params), mesh=dmesh)
+    pl = Placement(t, d, list(tdevs), list(ddevs), False)
+    pl._t_rep, pl._d_rep = replicated(tmesh), rep
+    return pl
+
