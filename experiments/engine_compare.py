@@ -4,7 +4,7 @@ revisions, alternating (before, after, before, after, ...) so both see the same 
     .venv/bin/python experiments/engine_compare.py --before 2776dae [--alternations 2] [--smollm]
 
 The "after" side is this working tree. Writes experiments/results/engine_probe.jsonl and
-experiments/engine.md (tables: decode tok/s with 95% intervals over repeats, ratios to AR,
+experiments/results/engine_probe.md (tables: decode tok/s with 95% intervals over repeats, ratios to AR,
 compiled calls and milliseconds per round, host cost per token against length).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "engine_probe.jsonl"
-DOC = ROOT / "experiments" / "engine.md"
+DOC = ROOT / "experiments" / "results" / "engine_probe.md"
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 

@@ -50,9 +50,15 @@ def probe_model(vocab: int | None = None):
 
 
 def count_calls():
-    try:
+    from pathlib import Path
+
+    import ssd_jax
+
+    # decide by the files of the ssd_jax actually imported: an editable install would supply a
+    # module missing from an older checkout from the current one
+    if (Path(ssd_jax.__file__).parent / "compile.py").exists():
         from ssd_jax.compile import Compiled
-    except ImportError:  # the layout before the engine redesign
+    else:  # the layout before the engine redesign
         from ssd_jax.runtime import Compiled
 
     counts: dict[str, int] = {}
