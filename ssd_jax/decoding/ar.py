@@ -10,27 +10,17 @@ import jax
 import numpy as np
 
 from ssd_jax.decoding import runtime
-from ssd_jax.decoding.batch import GenerationResult, RowState, eos_ids, plan_batch, speed_metrics
+from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.parallel.placement import cache_for, put_on
 from ssd_jax.sampling.filters import RowSampling
 
 
 def generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResult:
-    rows_prompt = [p for p in prompts for _ in range(sampling.n)]
-    rows_ids = [x for x in ids for _ in range(sampling.n)]
-    B = len(rows_ids)
-    width, max_len = plan_batch(model, rows_ids, sampling, spec)
-    eos = eos_ids(model)
-    rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
-
-    tokens = np.zeros((B, width), np.int32)
-    for b, r in enumerate(rows_ids):
-        tokens[b, : len(r)] = r
-    n_valid = np.array([len(r) for r in rows_ids], np.int32)
-    rs = RowSampling.broadcast(sampling, B)
-    rs = jax.tree.map(lambda x: put_on(model, x), rs)
-    key = put_on(model, jax.random.key_data(jax.random.key(sampling.seed)))
-    key = jax.random.wrap_key_data(key)
+    batch = Batch.build(model, prompts, ids, sampling, spec)
+    rows, B, n_valid, max_len = batch.rows, batch.size, batch.n_valid, batch.max_len
+    tokens = batch.tokens
+    rs = jax.tree.map(lambda x: put_on(model, x), RowSampling.broadcast(sampling, B))
+    key = seed_key(sampling.seed, lambda x: put_on(model, x))
     prefill, decode = runtime.ar_steps(model.cfg, sampling.needs_filter)
 
     cache = cache_for(model, B, max_len)
@@ -65,7 +55,7 @@ def generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResul
     if nxt is not None:
         nxt.block_until_ready()  # don't leave a step running into the next call's timing
 
-    metrics = speed_metrics(rows, wall, ttft, compile_s, n_valid)
+    metrics = batch.speed_metrics(wall, ttft, compile_s)
     metrics["steps"] = step
-    return GenerationResult([r.output() for r in rows], metrics, method="ar")
+    return GenerationResult(batch.outputs(), metrics, method="ar")
 

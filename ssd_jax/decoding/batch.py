@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ssd_jax.decoding.spec import SpecConfig
@@ -183,3 +184,66 @@ def speed_metrics(rows: list[RowState], wall: float, ttft: float, compile_s: flo
         "prompt_tokens": int(np.sum(n_valid)),
     }
 
+
+
+@dataclasses.dataclass
+class Batch:
+    """The rows of one ``generate`` call (each prompt times ``n`` samples), shared by AR, SD and SSD:
+    their host state, the right-padded prompt block for the prefill and the cache length."""
+
+    rows: list[RowState]
+    ids: list[list[int]]  # each row's prompt ids
+    tokens: np.ndarray  # (B, width) int32, right-padded prompts
+    n_valid: np.ndarray  # (B,) int32 prompt lengths
+    max_len: int  # KV-cache slots per row
+
+    @classmethod
+    def build(cls, model, prompts, ids, sampling: SamplingParams, spec: SpecConfig, *, also_fits=()) -> Batch:
+        """Rows for ``prompts`` (their token ``ids``); ``also_fits``: other models (drafts) whose context
+        window must hold the batch too."""
+        rows_prompt = [p for p in prompts for _ in range(sampling.n)]
+        rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
+        width, max_len = plan_batch(model, rows_ids, sampling, spec)
+        for other in also_fits:
+            plan_batch(other, rows_ids, sampling, spec)
+        eos = eos_ids(model)
+        rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
+        tokens = np.zeros((len(rows_ids), width), np.int32)
+        for b, r in enumerate(rows_ids):
+            tokens[b, : len(r)] = r
+        return cls(rows, rows_ids, tokens, np.array([len(r) for r in rows_ids], np.int32), max_len)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def last_prompt_tokens(self) -> np.ndarray:
+        return np.asarray([r[-1] for r in self.ids], np.int32)
+
+    def push_first(self, first: np.ndarray, on_text) -> None:
+        """Hand every row its first generated token (from the prefill)."""
+        for b, r in enumerate(self.rows):
+            new = r.push(int(first[b]))
+            if new and on_text is not None:
+                on_text(b, new)
+
+    def histories(self, first: np.ndarray) -> list[np.ndarray]:
+        """Each row's tokens so far (prompt + first token), for host-side n-gram lookups."""
+        return [np.asarray(r + [int(first[b])], np.int32) for b, r in enumerate(self.ids)]
+
+    def outputs(self, row_metrics=None) -> list[dict[str, Any]]:
+        outs = []
+        for b, r in enumerate(self.rows):
+            o = r.output()
+            if row_metrics is not None:
+                o["metrics"] = row_metrics(b)
+            outs.append(o)
+        return outs
+
+    def speed_metrics(self, wall: float, ttft: float, compile_s: float) -> dict[str, Any]:
+        return speed_metrics(self.rows, wall, ttft, compile_s, self.n_valid)
+
+
+def seed_key(seed: int, put) -> jax.Array:
+    """The run's PRNG key from its seed, placed by ``put`` (every method derives its streams from it)."""
+    return jax.random.wrap_key_data(put(jax.random.key_data(jax.random.key(seed))))

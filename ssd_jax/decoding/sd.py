@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.decoding import runtime
-from ssd_jax.decoding.batch import GenerationResult, RowState, eos_ids, plan_batch, speed_metrics
+from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.drafters import make_drafter
 from ssd_jax.drafters.ngram import ngram_lookup
@@ -134,23 +134,14 @@ def sd_steps(cfg, needs_filter: bool):
 def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> GenerationResult:
     from ssd_jax.drafters.model import ModelDrafter
 
-    rows_prompt = [p for p in prompts for _ in range(sampling.n)]
-    rows_ids = [x for x in ids for _ in range(sampling.n)]
-    B, K = len(rows_ids), spec.k
-    width, max_len = plan_batch(model, rows_ids, sampling, spec)
     drafter = make_drafter(spec, model, sampling, load)
-    if isinstance(drafter, ModelDrafter):
-        plan_batch(drafter.model, rows_ids, sampling, spec)  # the draft's context window must fit too
-    eos = eos_ids(model)
-    rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
-
+    # the draft's context window must hold the batch too
+    batch = Batch.build(model, prompts, ids, sampling, spec,
+                        also_fits=(drafter.model,) if isinstance(drafter, ModelDrafter) else ())
+    rows, B, K, tokens, n_valid, max_len = batch.rows, batch.size, spec.k, batch.tokens, batch.n_valid, batch.max_len
     put = functools.partial(_put, model)
-    tokens = np.zeros((B, width), np.int32)
-    for b, r in enumerate(rows_ids):
-        tokens[b, : len(r)] = r
-    n_valid = np.array([len(r) for r in rows_ids], np.int32)
     rs = jax.tree.map(put, RowSampling.broadcast(sampling, B))
-    key = jax.random.wrap_key_data(put(jax.random.key_data(jax.random.key(sampling.seed))))
+    key = seed_key(sampling.seed, put)
     kdraft, kverify = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
     prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
     score, acc = sd_steps(model.cfg, sampling.needs_filter)
@@ -172,21 +163,17 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
 
     if not spec.profile_stages:
-        return _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_valid_d, n_valid, key, rs,
-                               rows_ids, on_text, compile_s, put)
+        return _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text,
+                               compile_s, put)
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
     drafter.prefill()  # queued behind the target's prefill; both count towards ttft
-    prev = put(np.asarray([r[-1] for r in rows_ids], np.int32))
+    prev = put(batch.last_prompt_tokens())
     first = np.asarray(cur)
     ttft = time.perf_counter() - t0
-    for b, r in enumerate(rows):
-        new = r.push(int(first[b]))
-        if new and on_text is not None:
-            on_text(b, new)
-    uses_history = getattr(drafter, "needs_history", False)
-    history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)] if uses_history else None
+    batch.push_first(first, on_text)
+    history = batch.histories(first) if getattr(drafter, "needs_history", False) else None
 
     t_draft = t_verify = t_sample = 0.0
     stats = AcceptanceStats(B, K)
@@ -215,13 +202,9 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         push_round(rows, live, emitted_h, n_acc_h, on_text, history)
     wall = time.perf_counter() - t0
 
-    outputs = []
-    for b, r in enumerate(rows):
-        o = r.output()
-        o["metrics"] = stats.row_metrics(b)
-        outputs.append(o)
+    outputs = batch.outputs(stats.row_metrics)
     metrics = {
-        **speed_metrics(rows, wall, ttft, compile_s, n_valid),
+        **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
         "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
         "verify_steps": step,
@@ -235,13 +218,13 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     return GenerationResult(outputs, metrics, method="sd")
 
 
-def _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_valid_d, n_valid, key, rs, rows_ids,
-                    on_text, compile_s, put) -> GenerationResult:
+def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text, compile_s,
+                    put) -> GenerationResult:
     """The default SD loop: one compiled call per round (:func:`sd_round`). For on-device drafters
     round T+1 is queued before round T's tokens are read, so the host's EOS / stop checks and
     bookkeeping overlap the device's next round; the n-gram drafter needs round T's tokens for
     its lookup, so its rounds alternate with the host."""
-    B, K = len(rows), spec.k
+    rows, B, K = batch.rows, batch.size, spec.k
     prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
     kind = {"model": "model", "random": "random"}.get(drafter.kind, "host")
     dparams = drafter.model.params if kind == "model" else None
@@ -258,16 +241,11 @@ def _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_val
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
     drafter.prefill()  # queued behind the target's prefill; both count towards ttft
     dcache = drafter.cache if kind == "model" else None
-    prev = put(np.asarray([r[-1] for r in rows_ids], np.int32))
+    prev = put(batch.last_prompt_tokens())
     first = np.asarray(cur)
     ttft = time.perf_counter() - t0
-    for b, r in enumerate(rows):
-        new = r.push(int(first[b]))
-        if new and on_text is not None:
-            on_text(b, new)
-    history = None
-    if kind == "host":
-        history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)]
+    batch.push_first(first, on_text)
+    history = batch.histories(first) if kind == "host" else None
 
     def host_proposals():
         toks = np.zeros((B, K), np.int32)
@@ -317,13 +295,9 @@ def _generate_fused(model, rows, drafter, sampling, spec, cache, tokens_d, n_val
     if nxt is not None:
         jax.block_until_ready(nxt[0])  # don't leave a round running into the next call's timing
 
-    outputs = []
-    for b, r in enumerate(rows):
-        o = r.output()
-        o["metrics"] = stats.row_metrics(b)
-        outputs.append(o)
+    outputs = batch.outputs(stats.row_metrics)
     metrics = {
-        **speed_metrics(rows, wall, ttft, compile_s, n_valid),
+        **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
         "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
         "verify_steps": step,

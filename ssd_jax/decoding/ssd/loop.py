@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from ssd_jax.decoding import runtime
-from ssd_jax.decoding.batch import GenerationResult, RowState, eos_ids, plan_batch, speed_metrics
+from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.sd import push_round, sd_steps
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate, row_schedule
@@ -69,19 +69,14 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
 
     draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
     check_same_tokenizer(model, draft)
-    rows_prompt = [p for p in prompts for _ in range(sampling.n)]
-    rows_ids = [x for x in ids for _ in range(sampling.n)]
-    B = len(rows_ids)
-    width, max_len = plan_batch(model, rows_ids, sampling, spec)
-    plan_batch(draft, rows_ids, sampling, spec)
+    batch = Batch.build(model, prompts, ids, sampling, spec, also_fits=(draft,))
+    rows, B, tokens, n_valid, max_len = batch.rows, batch.size, batch.tokens, batch.n_valid, batch.max_len
     pl = place(model, draft, spec)
     target, draft = pl.target, pl.draft
     if M % len(pl.draft_devices) and not pl.single:
         raise UserError(
             f"the fan-out budget ({M} branches) must divide over the {len(pl.draft_devices)} draft devices"
         )
-    eos = eos_ids(model)
-    rows = [RowState(p, i, model, sampling, eos) for p, i in zip(rows_prompt, rows_ids)]
     greedy = sampling.temperature == 0
     tok = model.tokenizer
     opts = Opts(
@@ -95,15 +90,9 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     score, acc = sd_steps(target.cfg, sampling.needs_filter)
     tput, dput = pl.put_target, pl.put_draft
 
-    tokens = np.zeros((B, width), np.int32)
-    for b, r in enumerate(rows_ids):
-        tokens[b, : len(r)] = r
-    n_valid = np.array([len(r) for r in rows_ids], np.int32)
     rs_host = RowSampling.broadcast(sampling, B)
     rs_t, rs_d = jax.tree.map(tput, rs_host), jax.tree.map(dput, rs_host)
-    key_data = jax.random.key_data(jax.random.key(sampling.seed))
-    key_t = jax.random.wrap_key_data(tput(key_data))
-    key_d = jax.random.wrap_key_data(dput(key_data))
+    key_t, key_d = seed_key(sampling.seed, tput), seed_key(sampling.seed, dput)
     kverify, kdraft = jax.random.fold_in(key_t, 2), jax.random.fold_in(key_d, 1)
 
     tcache = cache_for(target, B, max_len)
@@ -154,16 +143,13 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     tl.record("draft_prefill", dlane, dcache.lengths, round=0)
     first = np.asarray(cur_t)
     ttft = time.perf_counter() - t0
-    for b, r in enumerate(rows):
-        new = r.push(int(first[b]))
-        if new and on_text is not None:
-            on_text(b, new)
+    batch.push_first(first, on_text)
     cur_d = dput(first)
     fan_next = np.broadcast_to(est.schedule(False)[:K], (B, K)).astype(np.int32)
     sp, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, jax.random.fold_in(kdraft, 0), rs_d,
                                              dput(fan_next))
     tl.record(f"fallback_{first_kind}", dlane, sp.tokens, round=0)
-    history = [np.asarray(list(r) + [int(first[b])], np.int32) for b, r in enumerate(rows_ids)]
+    history = batch.histories(first)
 
     stats = AcceptanceStats(B, K)
     live = np.array([not r.done for r in rows])
@@ -287,13 +273,10 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     exposed = _measure(_union(drf)) - _intersection(_union(drf), _union(tgt))
     verify_s, sample_s = dur.get("verify", 0.0), dur.get("sample", 0.0)
     draft_s = sum(v for k_, v in dur.items() if k_ in ("build", "advance") or k_.startswith("fallback"))
-    outputs = []
-    for b, r in enumerate(rows):
-        o = r.output()
-        o["metrics"] = {**stats.row_metrics(b), "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0}
-        outputs.append(o)
+    outputs = batch.outputs(lambda b: {**stats.row_metrics(b),
+                                       "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0})
     metrics = {
-        **speed_metrics(rows, wall, ttft, compile_s, n_valid),
+        **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
         "draft": draft.name,
         "verify_steps": step,
