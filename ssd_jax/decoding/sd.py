@@ -31,7 +31,8 @@ from ssd_jax.decoding import runtime
 from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.drafters import make_drafter
-from ssd_jax.drafters.ngram import ngram_lookup
+from ssd_jax.drafters.ngram import ngram_proposals
+from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.parallel.placement import cache_for as _cache_for
 from ssd_jax.parallel.placement import put_on as _put
@@ -104,7 +105,7 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
 
         tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs))
     elif kind == "random":
-        tokens = jax.random.randint(kd, (B, k), 0, rand_vocab, jnp.int32)
+        tokens = random_tokens(kd, B, k, rand_vocab)
     else:
         tokens, n_draft = host_tokens_BxK, host_n_B
     logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
@@ -248,13 +249,7 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     history = batch.histories(first) if kind == "host" else None
 
     def host_proposals():
-        toks = np.zeros((B, K), np.int32)
-        n = np.zeros((B,), np.int32)
-        for b in np.flatnonzero(live):
-            got = ngram_lookup(history[b], K, drafter.n_min, drafter.n_max)
-            toks[b, : len(got)] = got
-            n[b] = len(got)
-        return toks, n
+        return ngram_proposals(history, K, drafter.n_min, drafter.n_max, rows=np.flatnonzero(live))
 
     stats = AcceptanceStats(B, K)
     live = np.array([not r.done for r in rows])

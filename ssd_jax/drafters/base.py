@@ -12,9 +12,12 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Proposal:
+    """The speculation a round verifies, per row (every drafter's output, and SSD's speculation)."""
+
     tokens: jax.Array  # (B, K) int32
     n_draft: jax.Array  # (B,) int32, real proposals per row (<= K)
-    q: jax.Array | None  # (B, K, V) float32 log-probs, or None for point masses
+    q: jax.Array | None  # (B, K, V) float32 log-probs (-inf rows = point masses), or None: all point masses
+    hit: jax.Array | None = None  # SSD: (B,) bool, the speculation came from the speculation cache
 
 
 

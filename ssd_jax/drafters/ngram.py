@@ -28,6 +28,20 @@ def ngram_lookup(history: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
 
 
 
+def ngram_proposals(histories: list[np.ndarray], k: int, n_min: int, n_max: int, rows=None):
+    """(tokens (B, k) int32, counts (B,) int32): the lookup for each row in ``rows`` (default all);
+    other rows and unmatched ones propose nothing. The one n-gram proposer (SD's drafter, SSD's
+    n-gram backup)."""
+    B = len(histories)
+    toks = np.zeros((B, k), np.int32)
+    n = np.zeros((B,), np.int32)
+    for b in range(B) if rows is None else rows:
+        got = ngram_lookup(histories[b], k, n_min, n_max)
+        toks[b, : len(got)] = got
+        n[b] = len(got)
+    return toks, n
+
+
 class NgramDrafter:
     """Prompt-lookup drafting on the host; proposals are point masses."""
 
@@ -50,13 +64,7 @@ class NgramDrafter:
         return 0.0
 
     def propose(self, prev_B, cur_B, key, rs, history: list[np.ndarray] | None = None) -> Proposal:
-        B = len(history)
-        toks = np.zeros((B, self.k), np.int32)
-        n = np.zeros((B,), np.int32)
-        for b, h in enumerate(history):
-            got = ngram_lookup(h, self.k, self.n_min, self.n_max)
-            toks[b, : len(got)] = got
-            n[b] = len(got)
+        toks, n = ngram_proposals(history, self.k, self.n_min, self.n_max)
         return Proposal(self._put(toks), self._put(n), None)
 
     def commit(self, lengths_B, all_accepted: bool = True) -> None:

@@ -9,6 +9,12 @@ import jax.numpy as jnp
 from ssd_jax.drafters.base import Proposal
 
 
+def random_tokens(key, batch: int, k: int, vocab: int) -> jax.Array:
+    """(batch, k) uniform token ids below ``vocab``: the one random proposer (SD's random drafter, and
+    SSD's random backup and first round)."""
+    return jax.random.randint(key, (batch, k), 0, vocab, jnp.int32)
+
+
 class RandomDrafter:
     """Uniform random proposals (point masses)."""
 
@@ -29,7 +35,7 @@ class RandomDrafter:
 
     def propose(self, prev_B, cur_B, key, rs, history=None) -> Proposal:
         B = cur_B.shape[0]
-        toks = jax.random.randint(key, (B, self.k), 0, self.vocab, jnp.int32)
+        toks = random_tokens(key, B, self.k, self.vocab)
         return Proposal(toks, jnp.full((B,), self.k, jnp.int32), None)
 
     def commit(self, lengths_B, all_accepted: bool = True) -> None:

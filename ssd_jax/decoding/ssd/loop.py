@@ -14,11 +14,11 @@ from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.sd import push_round, sd_steps
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate, row_schedule
-from ssd_jax.decoding.ssd.tree import Opts, Spec, ssd_programs
+from ssd_jax.decoding.ssd.tree import Opts, ssd_programs
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.decoding.trace import Timeline, lane_for
-from ssd_jax.drafters.base import check_same_tokenizer
-from ssd_jax.drafters.ngram import ngram_lookup
+from ssd_jax.drafters.base import Proposal, check_same_tokenizer
+from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
 from ssd_jax.parallel.placement import cache_for, place
@@ -131,7 +131,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     first_kind = "random" if spec.backup == "random" else "neural"
     compile_s += prog[f"first_{first_kind}"].precompile(draft.params, dcache, zB_d, kdraft, rs_d, fan0)
     if "host" in kinds:
-        spec0 = Spec(zK_d, zB_d, None if greedy else dput(np.zeros((B, K, V), np.float32)), bool_d)
+        spec0 = Proposal(zK_d, zB_d, None if greedy else dput(np.zeros((B, K, V), np.float32)), bool_d)
         compile_s += prog["merge"].precompile(spec0, bool_d, zK_d, zB_d)
     del tree0
 
@@ -245,12 +245,8 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             n_draft_h[:] = K
         else:  # n-gram lookups on the host for the rows that missed
             a = time.perf_counter()
-            ng = np.zeros((B, K), np.int32)
-            ng_n = np.zeros(B, np.int32)
-            for b in np.flatnonzero(missed):
-                got = ngram_lookup(history[b], K, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                ng[b, : len(got)] = got
-                ng_n[b] = len(got)
+            ng, ng_n = ngram_proposals(history, K, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                       rows=np.flatnonzero(missed))
             sp = prog["merge"](sp, dput(missed), dput(ng), dput(ng_n))
             tl.mark("ngram", "host", round=step, start=a, end=time.perf_counter())
             fallback_calls["ngram"] += 1

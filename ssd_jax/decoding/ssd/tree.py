@@ -14,23 +14,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ssd_jax.decoding import runtime
-from ssd_jax.drafters.base import align_vocab
+from ssd_jax.drafters.base import Proposal, align_vocab
 from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.sampling.rejection import mark_point_mass
 from ssd_jax.sampling.saguaro import draft_sample
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Spec:
-    """The speculation verified next, per row."""
-
-    tokens: jax.Array  # (B, K) int32
-    n_draft: jax.Array  # (B,) int32
-    q: jax.Array | None  # (B, K, V) float32 log-probs (-inf rows = point masses), None when greedy
-    hit: jax.Array  # (B,) bool, came from the speculation cache
-
 
 
 @jax.tree_util.register_dataclass
@@ -162,7 +151,7 @@ def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key,
 
     ``backup``: "neural" (re-draft just in time, skipped by ``lax.cond`` when every live row
     hit), "random" (point-mass random tokens) or "host" (the host merges n-gram proposals).
-    Returns (next Spec, draft cache at the new committed lengths).
+    Returns (next speculation (a Proposal with its hit flags), draft cache at the new committed lengths).
     """
     B, K = bonus_B.shape[0], opts.k
     match = (tree.k == n_acc_B[:, None]) & (tree.t == bonus_B[:, None])
@@ -184,11 +173,11 @@ def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key,
         if q is not None:
             q = jnp.where(hit[:, None, None], q, f_q)
     elif backup == "random":
-        rnd = jax.random.randint(key, (B, K), 0, opts.rand_vocab, jnp.int32)
+        rnd = random_tokens(key, B, K, opts.rand_vocab)
         tokens = jnp.where(hit[:, None], tokens, rnd)
         if q is not None:
             q = mark_point_mass(q, jnp.broadcast_to(~hit[:, None], (B, K)))
-    return _replicate((Spec(tokens, n_draft, q, hit), cache), opts)
+    return _replicate((Proposal(tokens, n_draft, q, hit), cache), opts)
 
 
 
@@ -198,20 +187,20 @@ def first_spec(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts, backu
     miss = jnp.zeros((B,), bool)
     if backup == "neural":
         tokens, q, cache = draft_chain(params, cache, cur_B, key, rs, fan_BxK, cfg=cfg, opts=opts)
-        return _replicate((Spec(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
-    tokens = jax.random.randint(key, (B, K), 0, opts.rand_vocab, jnp.int32)
+        return _replicate((Proposal(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
+    tokens = random_tokens(key, B, K, opts.rand_vocab)
     q = None if opts.greedy else jnp.full((B, K, opts.vocab), -jnp.inf, jnp.float32)
-    return _replicate((Spec(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
+    return _replicate((Proposal(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
 
 
 
-def merge_host(spec: Spec, use_B, tokens_BxK, n_B, *, opts: Opts) -> Spec:
+def merge_host(spec: Proposal, use_B, tokens_BxK, n_B, *, opts: Opts) -> Proposal:
     """Replace the rows in ``use_B`` by host proposals (point masses, e.g. n-gram lookups)."""
     B, K = tokens_BxK.shape
     q = spec.q
     if q is not None:
         q = mark_point_mass(q, jnp.broadcast_to(use_B[:, None], (B, K)))
-    out = Spec(jnp.where(use_B[:, None], tokens_BxK, spec.tokens), jnp.where(use_B, n_B, spec.n_draft), q, spec.hit)
+    out = Proposal(jnp.where(use_B[:, None], tokens_BxK, spec.tokens), jnp.where(use_B, n_B, spec.n_draft), q, spec.hit)
     return _replicate(out, opts)
 
 
