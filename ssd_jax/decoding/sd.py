@@ -31,6 +31,7 @@ from ssd_jax.decoding import runtime
 from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.drafters import make_drafter
+from ssd_jax.drafters.model import draft_propose
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
@@ -96,8 +97,6 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
     q = None
     n_draft = jnp.full((B,), k, jnp.int32)
     if kind == "model":
-        from ssd_jax.drafters.model import draft_propose
-
         def variant(c):
             def run(args):
                 return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c)
@@ -203,20 +202,23 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         push_round(rows, live, emitted_h, n_acc_h, on_text, history)
     wall = time.perf_counter() - t0
 
-    outputs = batch.outputs(stats.row_metrics)
+    stages = {"draft_s": t_draft, "verify_s": t_verify, "sample_s": t_sample,
+              "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample)}
+    return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
+
+
+def _result(batch, stats, drafter, K, rounds, wall, ttft, compile_s, extra) -> GenerationResult:
+    """Outputs and metrics of an SD run (both loops)."""
     metrics = {
         **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
         "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
-        "verify_steps": step,
+        "verify_steps": rounds,
         **stats.metrics(),
-        "draft_s": t_draft,
-        "verify_s": t_verify,
-        "sample_s": t_sample,
-        "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample),
+        **extra,
         "prefill_s": ttft,
     }
-    return GenerationResult(outputs, metrics, method="sd")
+    return GenerationResult(batch.outputs(stats.row_metrics), metrics, method="sd")
 
 
 def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text, compile_s,
@@ -290,19 +292,7 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     if nxt is not None:
         jax.block_until_ready(nxt[0])  # don't leave a round running into the next call's timing
 
-    outputs = batch.outputs(stats.row_metrics)
-    metrics = {
-        **batch.speed_metrics(wall, ttft, compile_s),
-        "k": K,
-        "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
-        "verify_steps": step,
-        **stats.metrics(),
-        "draft_s": None,  # one call per round: stage times need profile_stages=True (--profile-stages)
-        "verify_s": None,
-        "sample_s": None,
-        "overhead_s": None,
-        "round_s": wall - ttft,
-        "calls_per_round": 1,
-        "prefill_s": ttft,
-    }
-    return GenerationResult(outputs, metrics, method="sd")
+    # one call per round: stage times need profile_stages=True (--profile-stages)
+    stages = {"draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None, "round_s": wall - ttft,
+              "calls_per_round": 1}
+    return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
