@@ -31,6 +31,7 @@ class Compiled:
         self.name = name or getattr(fn, "__name__", "fn")
         self._jit = jax.jit(fn, donate_argnums=donate_argnums)
         self._exe: dict[Any, Any] = {}
+        self._last = None  # the executable of the previous call: the loops call with one signature
         self.compile_s = 0.0
         self.compiles = 0
 
@@ -51,10 +52,20 @@ class Compiled:
         return dt
 
     def __call__(self, *args):
+        # Fast path: the previous call's executable. It checks the arguments' structure, shapes,
+        # dtypes and shardings itself before running (TypeError / ValueError on a mismatch, before
+        # any buffer is donated), which is far cheaper than hashing every leaf's signature here
+        # (about 1 ms per call for a 30-layer parameter tree). A genuine error re-raises below.
+        if self._last is not None:
+            try:
+                return self._last(*args)
+            except (TypeError, ValueError):
+                pass
         key = self._key(args)
         exe = self._exe.get(key)
         if exe is None:
             self.precompile(*args)
             exe = self._exe[key]
+        self._last = exe
         return exe(*args)
 

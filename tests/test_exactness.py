@@ -36,6 +36,7 @@ from test_sd import PROMPTS, tiny_model
 from test_ssd import check_cache_accounting
 
 from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.decoding.ssd import rounds as ssd_rounds
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.sampling import rejection as verify_mod
@@ -128,7 +129,7 @@ def test_emissions_follow_the_target_large(agree_pair, case):
 
 
 def _clear_compiled():
-    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
+    for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
         cached.cache_clear()
 
 

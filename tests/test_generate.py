@@ -168,3 +168,20 @@ def test_sampler_frequencies_follow_the_filtered_distribution():
     chi2 = (((counts[m] - 20_000 * p[m]) ** 2) / (20_000 * p[m])).sum()
     df = m.sum() - 1
     assert chi2 < df + 5 * np.sqrt(2 * df) + 10  # ~5 sigma of the chi-square distribution
+
+
+def test_compiled_switches_signatures_and_reports_real_errors():
+    """The fast path (the previous call's executable) falls back to the signature table: a new shape
+    compiles once, the old one is found again, and a genuine mismatch still raises."""
+    import jax.numpy as jnp
+    import pytest
+
+    from ssd_jax.compile import Compiled
+
+    f = Compiled(lambda x, y: x * 2 + y, name="t")
+    assert float(f(jnp.ones(3), 1.0)[0]) == 3.0
+    assert f(jnp.ones((2, 2)), 0.0).shape == (2, 2)  # another signature: compiled, not mis-dispatched
+    assert float(f(jnp.arange(3.0), 1.0)[2]) == 5.0  # the first signature again: no new compile
+    assert f.compiles == 2
+    with pytest.raises(TypeError):
+        f(jnp.ones(3), jnp.ones(3), jnp.ones(3))  # wrong arity reaches the caller

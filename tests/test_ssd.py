@@ -23,6 +23,7 @@ from test_sd import (
 from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import loop as ssd_loop
+from ssd_jax.decoding.ssd import rounds as ssd_rounds
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.sampling import saguaro
 from ssd_jax.decoding import sd as sd_mod
@@ -235,13 +236,13 @@ def test_biased_miss_rule_fails_the_bound(small_pair, monkeypatch):
     monkeypatch.setattr(ssd_mod, "advance", advance)
     monkeypatch.setattr(ssd_mod, "first_spec", first_spec)
     monkeypatch.setattr(sd_mod, "verify", biased_miss_verify)
-    for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
+    for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
         cached.cache_clear()
     try:
         counts, m = sampled_pairs(target, spec, sampling, prompt)
     finally:
         monkeypatch.undo()
-        for cached in (ssd_mod.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
+        for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
             cached.cache_clear()
     assert m["cache_hit_rate"] < 0.9  # misses happened
     stat, df = chi2_stat(counts, exact, N_SAMPLES)
@@ -280,7 +281,8 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
 
 
 def test_overlap_visible_in_trace(pair, tmp_path):
-    """On separate meshes the draft's cache build of round T starts before the target's verify of round T ends."""
+    """On separate meshes the draft's cache build of round T starts before the target's verify of round T ends
+    (the timeline runs only when asked for: profile_stages or a trace file)."""
     target, draft = pair
     from ssd_jax.decoding.trace import Timeline
 
@@ -294,7 +296,7 @@ def test_overlap_visible_in_trace(pair, tmp_path):
     Timeline.close = keep
     try:
         generate(target, PROMPTS * 4, SamplingParams(max_new_tokens=24, ignore_eos=True),
-                 SpecConfig(method="ssd", draft=draft, k=3, target_devices=2, draft_devices=2))
+                 SpecConfig(method="ssd", draft=draft, k=3, target_devices=2, draft_devices=2, profile_stages=True))
     finally:
         Timeline.close = orig
     tl = seen["tl"]
@@ -320,3 +322,22 @@ def test_bad_ssd_input(pair):
     with pytest.raises(UserError, match="divide"):
         generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, fan_out_budget=5, target_devices=1,
                                                  draft_devices=2))
+
+
+@pytest.mark.parametrize("backup", ["neural", "random", "auto"])
+def test_one_call_rounds_equal_profiled_rounds(pair, backup):
+    """On one device a round is ONE compiled call (queued ahead of the host's reads); the profiled path,
+    with each stage its own call, draws the same tokens for the same seed."""
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=11)
+    base = SpecConfig(method="ssd", draft=draft, k=3, backup=backup)
+    fused = generate(target, PROMPTS, sp, base)
+    prof = generate(target, PROMPTS, sp, dataclasses.replace(base, profile_stages=True))
+    assert _ids(fused) == _ids(prof)
+    assert fused.metrics["fallback_calls"] == prof.metrics["fallback_calls"]
+    assert fused.metrics["verify_steps"] == prof.metrics["verify_steps"]
+    check_cache_accounting(fused)
+    if backup != "auto":  # auto takes host rounds (n-gram lookups between verify and lookup) above b*
+        assert fused.metrics["calls_per_round"] == 1.0
+    assert fused.metrics["verify_s"] is None and prof.metrics["verify_s"] > 0
+    assert prof.metrics["calls_per_round"] == 4.0

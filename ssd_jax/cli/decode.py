@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
                    "target's); without either flag both models share one device")
     g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
-    g.add_argument("--profile-stages", action="store_true", help="sd: time the draft, verify and sample stages "
-                   "separately (one call and sync each per round, slower; default: one call per round, stage "
-                   "times null)")
+    g.add_argument("--profile-stages", action="store_true", help="sd/ssd: time the draft, verify and sample "
+                   "stages separately (one call each per round, slower; default: one call per round on one device, "
+                   "stage times null; --trace implies it)")
     g.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host: "
                    "run the same command on every host; meshes then span jax.devices() of all hosts)")
     g = p.add_argument_group("output")
@@ -200,7 +200,8 @@ def run(argv=None) -> int:
             f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "
             f"tokens/round {m['tau_hit']:.2f} on hits, {m['tau_miss']:.2f} on misses; fan-out "
             f"{m['fanout']['mode']} {m['fanout']['schedule']}; fallbacks {m['fallback_calls']}; "
-            f"build/verify overlap {m['overlap_fraction']:.2f}",
+            + (f"build/verify overlap {m['overlap_fraction']:.2f}" if m.get("overlap_fraction") is not None
+               else f"{m['calls_per_round']:.2f} compiled calls / round"),
             file=sys.stderr,
         )
     return 0

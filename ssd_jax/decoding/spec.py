@@ -30,10 +30,11 @@ class SpecConfig:
       saguaro_c: Saguaro down-weighting of cached tokens in the draft distribution (1 = off).
       backup: SSD cache-miss fallback: "neural", "ngram", "random" or "auto".
       target_devices / draft_devices: mesh sizes (None = automatic).
-      profile_stages: SD: run each round as separate draft / verify / sample calls with a sync
-        after each, to measure the time of each stage (``draft_s``, ``verify_s``, ``sample_s``).
-        Off by default: a round is then ONE compiled call, queued before the previous round's
-        tokens are read, and the stage times are reported as null.
+      profile_stages: SD / SSD: run each round as separate draft / verify / sample (SSD: verify,
+        build, sample, lookup) calls on a timeline, to measure the time of each stage
+        (``draft_s``, ``verify_s``, ``sample_s``; SSD's overlap). Off by default: a round is
+        then ONE compiled call (SSD on two meshes: one per target call, two draft calls), queued
+        before the previous round's tokens are read, and the stage times are reported as null.
     """
 
     method: str = "ar"

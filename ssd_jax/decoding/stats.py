@@ -27,6 +27,10 @@ class AcceptanceStats:
         self.row_accepted = np.zeros(batch, np.int64)
         self._rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
 
+    @property
+    def n_rounds(self) -> int:
+        return len(self._rounds)
+
     def update(self, live: np.ndarray, n_acc: np.ndarray, n_draft: np.ndarray, hit: np.ndarray | None = None) -> None:
         """One verify round; only rows still generating (``live``) count.
 

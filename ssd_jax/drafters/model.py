@@ -25,13 +25,16 @@ def draft_prefill(params, cache, tokens_BxT, n_valid_B, *, cfg):
 
 
 
-def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up):
-    """K autoregressive draft steps in one call. Cache lengths in = committed context length.
+def draft_loop(params, cache, prev_B, cur_B, keys, draw, *, cfg, vocab, catch_up):
+    """``len(keys)`` autoregressive draft steps after ``cur`` in one program (``lax.scan``): the one
+    K-step draft loop, used by SD's drafter and SSD's neural backup.
 
+    ``draw(key, logits_BxV, d)`` samples step ``d``: (tokens (B,), log-probs (B, V) or None).
     ``catch_up`` (static) feeds ``[prev, cur]`` in the first step instead of ``[cur]``: needed
     when some row accepted all K proposals last round, so the draft never fed its K-th token.
-    On XLA:CPU a 2-token step costs about two 1-token steps, so the host picks the 1-token
-    variant whenever no row needs the catch-up.
+    On XLA:CPU a 2-token step costs about two 1-token steps, so the 1-token variant is used
+    whenever no row needs the catch-up. Cache lengths in = committed context length; out =
+    in + K. Returns (tokens (B, K), q (B, K, V) | None, cache).
     """
     start = cache.lengths
     if catch_up:
@@ -41,27 +44,33 @@ def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k,
         h, cache = llama.forward(params, cfg, cur_B[:, None], cache)
         h_last = h[:, 0]
     cache = cache.with_lengths(start + 1)
-    lg = align_vocab(llama.logits(params, cfg, h_last), vocab)
-
-    def draw(key, lg):
-        return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
-
-    keys = jax.random.split(key, k)
-    tok0, q0 = draw(keys[0], lg)
+    tok0, q0 = draw(keys[0], align_vocab(llama.logits(params, cfg, h_last), vocab), 0)
+    k = keys.shape[0]
     if k == 1:
-        return tok0[:, None], q0[:, None], cache
+        return tok0[:, None], None if q0 is None else q0[:, None], cache
 
-    def body(carry, key_i):
+    def body(carry, xs):
         cache, tok = carry
+        key_i, d = xs
         h, cache = llama.forward(params, cfg, tok[:, None], cache)
         cache = cache.with_lengths(cache.lengths + 1)
-        nxt, q = draw(key_i, align_vocab(llama.logits(params, cfg, h[:, 0]), vocab))
+        nxt, q = draw(key_i, align_vocab(llama.logits(params, cfg, h[:, 0]), vocab), d)
         return (cache, nxt), (nxt, q)
 
-    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, tok0), keys[1:])
+    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, tok0), (keys[1:], jnp.arange(1, k)))
     tokens = jnp.concatenate([tok0[:, None], toks.T], axis=1)
-    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    q = None if q0 is None else jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     return tokens, q, cache
+
+
+
+def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up):
+    """SD's K draft tokens after ``cur``, sampled from the draft's filtered distribution (see :func:`draft_loop`)."""
+    def draw(key, lg, d):
+        return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
+
+    return draft_loop(params, cache, prev_B, cur_B, jax.random.split(key, k), draw, cfg=cfg, vocab=vocab,
+                      catch_up=catch_up)
 
 
 

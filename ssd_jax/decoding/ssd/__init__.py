@@ -32,8 +32,9 @@ One round, all compiled static-shape programs:
   returns the cached speculation and a hit flag per row. Rows that missed get a fallback
   inside the same call: the neural backup (the draft re-drafts K tokens just in time; a
   ``lax.cond`` skips it when every live row hit) or random tokens (point masses). The
-  n-gram fast backup needs the token history, so it runs on the host after the round's
-  one blocking read (the EOS / stop checks) and is merged in.
+  n-gram fast backup needs the token history, so the host reads the round's tokens, looks
+  up every live row and passes the proposals to the lookup call, which uses them where a row
+  missed.
 
 Exactness. A cached speculation carries the distributions its tokens were sampled from, so
 hits are verified by the ratio rule with the right q; neural fallbacks likewise; fast
@@ -59,13 +60,23 @@ draft mesh (parameters replicated; the branch axis sharded over its devices, so 
 devices buy a larger fan-out budget at the same latency). Without ``target_devices`` /
 ``draft_devices`` both models share one device and run the same algorithm sequentially.
 
-Timing. Each dispatched program is recorded on its device lane (:mod:`ssd_jax.decoding.trace`); an
-event ends when its outputs are ready and starts when it was dispatched or when its lane
-finished the previous event, whichever is later. ``--trace FILE`` writes them as a Chrome
-/ Perfetto trace; the overlap of ``build`` with ``verify`` is reported as
-``overlap_fraction``.
+Calls per round (:mod:`.rounds`). With both models on one device the whole round (verify,
+rejection sampling, build, lookup and fallback) is ONE compiled call; on two meshes it is one
+call on the target mesh and two on the draft mesh (build, then lookup), because the target
+needs the next speculation before the next build ends. The host's per-round inputs (fan-out
+layouts, live rows) travel in one small control vector, rows pick their layout on the device,
+and rounds are queued one ahead of the host's reads; only the n-gram backup makes the host
+read a round's tokens before its lookup.
 
-Layout: :mod:`.tree` (device programs), :mod:`.fanout` (schedules and estimators), :mod:`.backup`
-(backup policy), :mod:`.loop` (the round loop); Saguaro sampling is :mod:`ssd_jax.sampling.saguaro`,
-placement :mod:`ssd_jax.parallel.placement`.
+Timing. Only with ``--profile-stages`` or ``--trace FILE``: then the stages run as separate
+calls and each is recorded on its device lane (:mod:`ssd_jax.decoding.trace`); an event ends
+when its outputs are ready and starts when it was dispatched or when its lane finished the
+previous event, whichever is later. ``--trace FILE`` writes them as a Chrome / Perfetto trace;
+the overlap of ``build`` with ``verify`` is reported as ``overlap_fraction``. Without them the
+stage times are null and ``calls_per_round`` / ``round_s`` are reported.
+
+Layout: :mod:`.tree` (device functions), :mod:`.rounds` (the compiled round programs),
+:mod:`.fanout` (schedules and estimators), :mod:`.backup` (backup policy), :mod:`.loop` (the
+round loop); Saguaro sampling is :mod:`ssd_jax.sampling.saguaro`, placement
+:mod:`ssd_jax.parallel.placement`.
 """

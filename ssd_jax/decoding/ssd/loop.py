@@ -1,5 +1,14 @@
-"""The SSD round loop: verify on the target mesh, cache build on the draft mesh dispatched without
-waiting, only the outcome crossing back, one blocking read per round; and its metrics.
+"""The SSD round loop and its metrics.
+
+Both models on one device: one compiled call per round (:func:`.rounds.fused_round`). Separate
+meshes: one call on the target mesh (verify + rejection sampling) and two on the draft mesh (the
+cache build, dispatched right after the verify so the two overlap, and the lookup once the
+outcome has crossed back). A fused draft call (lookup of round T + build of round T+1) would
+hold the next speculation back until the build finished, so the target would wait for the
+draft every round: the two-call draft side is what lets the meshes overlap. Rounds are queued
+one ahead of the host's reads (the fan-out layouts lag a round); the n-gram backup reads the
+round's tokens before its lookup. ``--profile-stages`` / ``--trace`` run the stages as separate
+calls on a timeline, for stage times and the overlap.
 """
 
 from __future__ import annotations
@@ -11,10 +20,11 @@ import numpy as np
 
 from ssd_jax.decoding import runtime
 from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
-from ssd_jax.decoding.sd import push_round, sd_steps
+from ssd_jax.decoding.sd import push_round
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate, row_schedule
-from ssd_jax.decoding.ssd.tree import Opts, ssd_programs
+from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
+from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.decoding.trace import Timeline, lane_for
 from ssd_jax.drafters.base import Proposal, check_same_tokenizer
@@ -55,6 +65,14 @@ def _intersection(x, y) -> float:
 
 
 
+def _layout_table(est, K: int, M: int, uniform: bool):
+    """Fan-out schedules and branch layouts for every row state (see :class:`.rounds.Control`)."""
+    sched = np.stack([est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)])
+    kb, rb = fo.branch_layout(sched, M)
+    return sched, kb, rb
+
+
+
 def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=None) -> GenerationResult:
     # the spec was validated by generate() (SpecConfig._validate_ssd): backup, fan-out, budget, C
     K = spec.k
@@ -85,10 +103,13 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         needs_filter=sampling.needs_filter, greedy=greedy, c=float(spec.saguaro_c), tree_base=max_len,
         mesh=None if pl.single else draft.mesh,
     )
-    prog = ssd_programs(draft.cfg, opts)
+    ctl = Control(k=K, budget=M, batch=B)
+    prog = ssd_programs(target.cfg, draft.cfg, opts, ctl, sampling.needs_filter, sampling.max_new_tokens)
     prefill, _ = runtime.ar_steps(target.cfg, sampling.needs_filter)
-    score, acc = sd_steps(target.cfg, sampling.needs_filter)
     tput, dput = pl.put_target, pl.put_draft
+    # stage timing (and the trace) needs the stages as separate calls: --profile-stages / --trace
+    profiled = bool(trace_path) or spec.profile_stages
+    fused = pl.single and not profiled
 
     rs_host = RowSampling.broadcast(sampling, B)
     rs_t, rs_d = jax.tree.map(tput, rs_host), jax.tree.map(dput, rs_host)
@@ -99,63 +120,70 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     dcache = llama.init_cache(draft.cfg, B, max_len + M * K)
     dcache = jax.tree.map(dput, dcache)
     est = fo.FanoutEstimator(K, M, "uniform" if uniform else "geometric", uniform_F=F if uniform else None)
-    tl = Timeline(enabled=True)
+    tl = Timeline(enabled=profiled)
     tlane, dlane = lane_for(pl.target_devices), lane_for(pl.draft_devices)
+    kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[spec.backup]
+    first_kind = "random" if spec.backup == "random" else "neural"
+    live = np.array([not r.done for r in rows])
+    sched, kb_tab, rb_tab = _layout_table(est, K, M, uniform)
+    ctrl0 = ctl.pack(kb_tab, rb_tab, est.schedule(False)[:K], live)
 
     # --- compile everything up front
     tok_d, nval_d = tput(tokens), tput(n_valid)
     compile_s = prefill.precompile(target.params, tcache, tok_d, nval_d, key_t, rs_t)
     dtok, dnval = dput(tokens), dput(n_valid)
-    compile_s += prog["prefill"].precompile(draft.params, dcache, dtok, dnval)
-    zB_t, zB_d = tput(np.zeros(B, np.int32)), dput(np.zeros(B, np.int32))
-    zK_t, zK_d = tput(np.zeros((B, K), np.int32)), dput(np.zeros((B, K), np.int32))
-    fan0 = dput(np.ones((B, K), np.int32))
-    kbM = dput(np.zeros((B, M), np.int32))
-    bool_d = dput(np.zeros(B, bool))
-    V = model.cfg.vocab_size
-    q_t = None if greedy else tput(np.zeros((B, K, V), np.float32))
-    step_t = tput(np.int32(0))
-    compile_s += score.precompile(target.params, tcache, zB_t, zK_t)
-    compile_s += acc.precompile(kverify, step_t, tput(np.zeros((B, K + 1, V), np.float32)), zK_t, zB_t, q_t, rs_t,
-                                zB_t, zB_t)
+    compile_s += prog["draft_prefill"].precompile(draft.params, dcache, dtok, dnval)
+    zB_d = dput(np.zeros(B, np.int32))
+    ctrl_d = dput(ctrl0)
+    step_t, step_d = tput(np.int32(1)), dput(np.int32(1))
+    zK_d = dput(np.zeros((B, K), np.int32))
+    a = time.perf_counter()
+    sp0, pm0, dcache = prog[f"first_{first_kind}"](draft.params, dcache, zB_d, kdraft, rs_d, ctrl_d)
     # one real build on the empty cache (its writes are overwritten by the prefill) gives a tree
     # with the exact shardings the loop will pass to advance
-    a = time.perf_counter()
-    tree0, dcache = prog["build"](draft.params, dcache, zB_d, zK_d, zB_d, kbM, kbM, fan0, kdraft, rs_d)
+    tree0, dcache = prog["build"](draft.params, dcache, zB_d, sp0, pm0, step_d, kdraft, rs_d, ctrl_d)
     jax.block_until_ready(tree0)
     compile_s += time.perf_counter() - a
-    kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[spec.backup]
+    spec_t0 = _to_target(sp0, tput, pl.single)
+    zB_t = tput(np.zeros(B, np.int32))
+    if profiled:
+        compile_s += prog["score"].precompile(target.params, tcache, zB_t, spec_t0.tokens)
+        logit0 = tput(np.zeros((B, K + 1, model.cfg.vocab_size), np.float32))
+        compile_s += prog["sample"].precompile(kverify, step_t, logit0, spec_t0, rs_t, zB_t, zB_t)
+    else:
+        compile_s += prog["verify"].precompile(target.params, tcache, zB_t, spec_t0, step_t, kverify, rs_t)
+    outcome0 = dput(np.zeros((B, 3), np.int32))
     for kind in kinds:
-        compile_s += prog[f"advance_{kind}"].precompile(draft.params, tree0, dcache, zB_d, zB_d, zB_d, bool_d, kdraft,
-                                                        rs_d, fan0)
-    first_kind = "random" if spec.backup == "random" else "neural"
-    compile_s += prog[f"first_{first_kind}"].precompile(draft.params, dcache, zB_d, kdraft, rs_d, fan0)
-    if "host" in kinds:
-        spec0 = Proposal(zK_d, zB_d, None if greedy else dput(np.zeros((B, K, V), np.float32)), bool_d)
-        compile_s += prog["merge"].precompile(spec0, bool_d, zK_d, zB_d)
-    del tree0
+        if fused and kind != "host":
+            compile_s += prog[f"round_{kind}"].precompile(target.params, tcache, draft.params, dcache, zB_t, sp0, pm0,
+                                                          nval_d, step_t, kverify, kdraft, rs_t, ctrl_d)
+        else:
+            compile_s += prog[f"advance_{kind}"].precompile(draft.params, tree0, dcache, outcome0, dnval, step_d,
+                                                            kdraft, rs_d, ctrl_d, zK_d, zB_d)
+    del tree0, sp0, pm0, spec_t0
 
     # --- prefill both models (both count towards ttft), then the first speculation
     t0 = time.perf_counter()
     cur_t, tcache = prefill(target.params, tcache, tok_d, nval_d, key_t, rs_t)
     tl.record("prefill", tlane, cur_t, round=0)
-    dcache = prog["prefill"](draft.params, dcache, dtok, dnval)
+    dcache = prog["draft_prefill"](draft.params, dcache, dtok, dnval)
     tl.record("draft_prefill", dlane, dcache.lengths, round=0)
     first = np.asarray(cur_t)
     ttft = time.perf_counter() - t0
     batch.push_first(first, on_text)
     cur_d = dput(first)
-    fan_next = np.broadcast_to(est.schedule(False)[:K], (B, K)).astype(np.int32)
-    sp, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, jax.random.fold_in(kdraft, 0), rs_d,
-                                             dput(fan_next))
+    sp, pm, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, kdraft, rs_d, ctrl_d)
     tl.record(f"fallback_{first_kind}", dlane, sp.tokens, round=0)
-    history = batch.histories(first)
+    history = batch.histories(first) if "host" in kinds else None
+    state = {"tcache": tcache, "dcache": dcache, "cur_t": cur_t, "cur_d": cur_d, "sp": sp, "pm": pm,
+             "step_t": step_t, "step_d": step_d}
 
     stats = AcceptanceStats(B, K)
-    live = np.array([not r.done for r in rows])
-    n_draft_h = np.full(B, K, np.int64)
-    post_miss = np.full(B, first_kind != "neural")  # the speculation came from a fast fallback
-    from_cache = np.zeros(B, bool)
+    # the speculation verified next: where it came from (hit, fast fallback) and its length
+    meta_next = np.zeros((B, META), np.int64)
+    meta_next[:, 1] = first_kind != "neural"
+    meta_next[:, 2] = K
+    meta_next[:, 3] = live
     fallback_calls = {"neural": 1 if first_kind == "neural" else 0, "ngram": 0, "random": int(first_kind == "random")}
     hits = np.zeros(B, np.int64)
     lookups = np.zeros(B, np.int64)
@@ -167,115 +195,142 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
                                  context=max(n_valid) + sampling.max_new_tokens / 2, device=pl.draft_devices[0])
     b_star = None
     batch_all_hit = [0, 0]
-    step = 0
-    while live.any():
-        step += 1
-        fan_rows = np.where(post_miss[:, None], est.schedule(True), est.schedule(False))
-        short: dict = {}
-        for b in np.flatnonzero(n_draft_h < K):  # n-gram proposals shorter than K: fewer outcomes
-            key_b = (bool(post_miss[b]), int(n_draft_h[b]))
-            if key_b not in short:
-                short[key_b] = row_schedule(est, *key_b, K, M, uniform)
-            fan_rows[b] = short[key_b]
-        kb, rb = fo.branch_layout(fan_rows, M)
-        fan_next = np.broadcast_to(est.schedule(False)[:K], (B, K)).astype(np.int32)
-        # target: verify the current speculation (only the speculation crosses to the target)
-        spec_t = jax.tree.map(tput, sp) if not pl.single else sp
-        logits, tcache = score(target.params, tcache, cur_t, spec_t.tokens)
-        tl.record("verify", tlane, logits, round=step)
-        # draft: build the cache for the next round while the target verifies
-        tree, dcache = prog["build"](draft.params, dcache, cur_d, sp.tokens, sp.n_draft, dput(kb), dput(rb),
-                                     dput(fan_next), jax.random.fold_in(kdraft, 2 * step), rs_d)
-        tl.record("build", dlane, tree.tokens, round=step)
-        emitted, n_acc, new_len, _, _, cur_t = acc(kverify, tput(np.int32(step)), logits, spec_t.tokens,
-                                                   spec_t.n_draft, spec_t.q, rs_t, tcache.lengths, cur_t)
-        tl.record("sample", tlane, cur_t, round=step)
-        tcache = tcache.with_lengths(new_len)
-        # only the outcome crosses back: (k, bonus, new length) per row
-        n_acc_d, cur_d, len_d = (dput(x) for x in (n_acc, cur_t, new_len))
-        n_live = int(live.sum())
-        if spec.backup == "auto":
-            b_star = fo.critical_batch_size(means["p_hit"], means["e_hit"], means["e_neural"], means["e_fast"],
-                                            costs["t_primary"], costs["t_neural"], costs["t_fast"])
-            kind = "neural" if n_live < b_star else "host"
+    calls = [0]
+
+    def choose_kind() -> str:
+        nonlocal b_star
+        if spec.backup != "auto":
+            return kinds[0]
+        b_star = fo.critical_batch_size(means["p_hit"], means["e_hit"], means["e_neural"], means["e_fast"],
+                                        costs["t_primary"], costs["t_neural"], costs["t_fast"])
+        return "neural" if int(live.sum()) < b_star else "host"
+
+    def dispatch(step: int, kind: str) -> dict:
+        """Queue round ``step`` on the devices; a host-backup round reads its tokens mid-way (n-gram lookups)."""
+        st = state
+        ctrl = dput(ctl.pack(kb_tab, rb_tab, est.schedule(False)[:K], live))
+        rnd = {"step": step, "kind": kind, "sched": sched, "processed": False}
+        if fused and kind != "host":
+            out, st["sp"], st["pm"], st["tcache"], st["dcache"], cur, st["step_t"] = prog[f"round_{kind}"](
+                target.params, st["tcache"], draft.params, st["dcache"], st["cur_t"], st["sp"], st["pm"], nval_d,
+                st["step_t"], kverify, kdraft, rs_t, ctrl)
+            st["cur_t"] = st["cur_d"] = cur
+            st["step_d"] = st["step_t"]
+            rnd["out"] = out
+            calls[0] += 1
+            return rnd
+        spec_t = _to_target(st["sp"], tput, pl.single)
+        if profiled:
+            logits, st["tcache"] = prog["score"](target.params, st["tcache"], st["cur_t"], spec_t.tokens)
+            tl.record("verify", tlane, logits, round=step)
         else:
-            kind = kinds[0]
-        sp, dcache = prog[f"advance_{kind}"](draft.params, tree, dcache, n_acc_d, cur_d, len_d, dput(live),
-                                             jax.random.fold_in(kdraft, 2 * step + 1), rs_d, dput(fan_next))
-        tl.record("advance", dlane, sp.tokens, round=step)
-        # the round's one blocking read: outcome, hits, emitted tokens
-        emitted_h, n_acc_h, hit_h = np.asarray(emitted), np.asarray(n_acc), np.asarray(sp.hit)
-        # the timeline's waiter threads record end times on their own; nothing here waits for them
-
-        # statistics over the live rows of this round
-        stats.update(live, n_acc_h, n_draft_h, hit=from_cache)
-        emitted_n = n_acc_h + 1
-        for name, sel in (("hit", from_cache & live), ("miss", ~from_cache & live)):
-            tau[name][0] += int(emitted_n[sel].sum())
-            tau[name][1] += int(sel.sum())
-        if (from_cache & live).any():
-            means.add("e_hit", float(emitted_n[from_cache & live].mean()))
-        neural_rows = ~from_cache & ~post_miss & live
-        if neural_rows.any():
-            means.add("e_neural", float(emitted_n[neural_rows].mean()))
-        if (post_miss & live).any():
-            means.add("e_fast", float(emitted_n[post_miss & live].mean()))
-        est.observe(n_acc_h[live], n_draft_h[live], hit_h[live], fan_rows[live], post_miss[live])
-        batch_all_hit[0] += int(hit_h[live].all())
-        batch_all_hit[1] += 1
-        means.add("p_hit", float(hit_h[live].mean()), n=float(live.sum()) / max(B, 1))
-
-        push_round(rows, live, emitted_h, n_acc_h, on_text, history)
-        # the hit rate counts the lookups whose speculation is verified next (rows still live)
-        hits += hit_h & live
-        lookups += live
-        missed = ~hit_h & live
-        from_cache = hit_h.copy()
-        if not missed.any():
-            post_miss[:] = False
-            n_draft_h[:] = K
-            continue
-        if kind == "neural":
-            fallback_calls["neural"] += 1
-            post_miss[:] = False
-            n_draft_h[:] = K
-        elif kind == "random":
-            fallback_calls["random"] += 1
-            post_miss = missed.copy()
-            n_draft_h[:] = K
-        else:  # n-gram lookups on the host for the rows that missed
+            out, outcome, cur_t, st["tcache"], st["step_t"] = prog["verify"](
+                target.params, st["tcache"], st["cur_t"], spec_t, st["step_t"], kverify, rs_t)
+            tl.record("verify", tlane, out, round=step)
+        # draft: build the cache for the next round while the target verifies
+        tree, st["dcache"] = prog["build"](draft.params, st["dcache"], st["cur_d"], st["sp"], st["pm"], st["step_d"],
+                                           kdraft, rs_d, ctrl)
+        tl.record("build", dlane, tree.tokens, round=step)
+        if profiled:
+            out, outcome, cur_t, new_len, st["step_t"] = prog["sample"](kverify, st["step_t"], logits, spec_t, rs_t,
+                                                                        st["tcache"].lengths, st["cur_t"])
+            st["tcache"] = st["tcache"].with_lengths(new_len)
+            tl.record("sample", tlane, cur_t, round=step)
+        st["cur_t"] = cur_t
+        rnd["out"] = out
+        host_tok, host_n = zK_d, zB_d
+        if kind == "host":  # n-gram lookups need this round's tokens: read them now
+            process(rnd, None)
             a = time.perf_counter()
             ng, ng_n = ngram_proposals(history, K, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                       rows=np.flatnonzero(missed))
-            sp = prog["merge"](sp, dput(missed), dput(ng), dput(ng_n))
+                                       rows=np.flatnonzero(live))
+            host_tok, host_n = dput(ng), dput(ng_n.astype(np.int32))
             tl.mark("ngram", "host", round=step, start=a, end=time.perf_counter())
-            fallback_calls["ngram"] += 1
-            post_miss = missed.copy()
-            n_draft_h = np.where(missed, ng_n, K)
+        # only the outcome crosses back: (k, bonus, new length) per row
+        st["sp"], st["pm"], meta, st["dcache"], st["cur_d"], st["step_d"] = prog[f"advance_{kind}"](
+            draft.params, tree, st["dcache"], outcome if pl.single else dput(outcome), dnval, st["step_d"], kdraft,
+            rs_d, ctrl, host_tok, host_n)
+        tl.record("advance", dlane, st["sp"].tokens, round=step)
+        rnd["meta"] = meta
+        calls[0] += 3 + profiled
+        return rnd
+
+    def process(rnd: dict, meta_h) -> None:
+        """The round's host work: its tokens to the rows (EOS / stop / length), statistics."""
+        nonlocal meta_next
+        if not rnd["processed"]:
+            out_h = np.asarray(rnd["out"])
+            rnd["processed"] = True
+            rnd["n_acc"] = out_h[:, K + 1]
+            meta_cur = meta_next
+            stats.update(live, rnd["n_acc"], meta_cur[:, 2], hit=meta_cur[:, 0] > 0)
+            rnd["live"], rnd["meta_cur"] = live.copy(), meta_cur
+            push_round(rows, live, out_h[:, : K + 1], rnd["n_acc"], on_text, history)
+            if "meta" not in rnd:  # fused: the meta columns follow the tokens
+                rnd["meta"] = out_h[:, K + 2:]
+        if meta_h is None:
+            return
+        # the lookup that produced the next speculation, over the rows live in this round
+        lv, meta_cur, n_acc = rnd["live"], rnd["meta_cur"], rnd["n_acc"]
+        hit_h, miss_dev = meta_h[:, 0] > 0, (meta_h[:, 0] == 0) & (meta_h[:, 3] > 0)
+        from_cache, post_miss, n_draft_h = meta_cur[:, 0] > 0, meta_cur[:, 1] > 0, meta_cur[:, 2]
+        emitted_n = n_acc + 1
+        for name, sel in (("hit", from_cache & lv), ("miss", ~from_cache & lv)):
+            tau[name][0] += int(emitted_n[sel].sum())
+            tau[name][1] += int(sel.sum())
+        if (from_cache & lv).any():
+            means.add("e_hit", float(emitted_n[from_cache & lv].mean()))
+        neural_rows = ~from_cache & ~post_miss & lv
+        if neural_rows.any():
+            means.add("e_neural", float(emitted_n[neural_rows].mean()))
+        if (post_miss & lv).any():
+            means.add("e_fast", float(emitted_n[post_miss & lv].mean()))
+        fan_rows = rnd["sched"][np.where(post_miss, 1 + n_draft_h, 0)]
+        est.observe(n_acc[lv], n_draft_h[lv], hit_h[lv], fan_rows[lv], post_miss[lv])
+        batch_all_hit[0] += int(hit_h[lv].all())
+        batch_all_hit[1] += 1
+        means.add("p_hit", float(hit_h[lv].mean()), n=float(lv.sum()) / max(B, 1))
+        # the hit rate counts the lookups whose speculation is verified next (rows still live)
+        hits[:] += hit_h & live
+        lookups[:] += live
+        if miss_dev.any():  # a fallback ran on the device
+            fallback_calls[{"host": "ngram"}.get(rnd["kind"], rnd["kind"])] += 1
+        meta_next = meta_h.astype(np.int64)
+
+    max_rounds = sampling.max_new_tokens  # every live row emits at least one token per round
+    step = 1
+    pending = dispatch(step, choose_kind())
+    while True:
+        rnd, pending = pending, None
+        kind = choose_kind()
+        if kind != "host" and step < max_rounds:
+            step += 1
+            pending = dispatch(step, kind)  # queue round T+1 before reading round T
+        process(rnd, None)
+        process(rnd, np.asarray(rnd["meta"]))
+        if not live.any():
+            break
+        if pending is None:
+            step += 1
+            pending = dispatch(step, choose_kind())
+        sched, kb_tab, rb_tab = _layout_table(est, K, M, uniform)
     wall = time.perf_counter() - t0
-    jax.block_until_ready(sp.tokens)
+    rounds_done = stats.n_rounds
+    if pending is not None:  # a queued round past the end: don't let it run into the caller's timing
+        jax.block_until_ready(pending["out"])
+    jax.block_until_ready(state["sp"].tokens)
     tl.close()
     if trace_path:
         tl.write_chrome(trace_path)
-
-    events = tl.events()
-    dur = {}
-    for e in events:
-        dur[e["name"]] = dur.get(e["name"], 0.0) + (e["end"] - e["start"])
-    # draft time the target waited for: draft work (build, advance, fallbacks) while the target
-    # lane was idle; in single-device mode that is all of it, with perfect overlap none of it
-    tgt = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] in ("verify", "sample")]
-    drf = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] not in ("verify", "sample")]
-    exposed = _measure(_union(drf)) - _intersection(_union(drf), _union(tgt))
-    verify_s, sample_s = dur.get("verify", 0.0), dur.get("sample", 0.0)
-    draft_s = sum(v for k_, v in dur.items() if k_ in ("build", "advance") or k_.startswith("fallback"))
+    stages = _stage_metrics(tl, wall, ttft) if profiled else dict.fromkeys(
+        ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction"))
     outputs = batch.outputs(lambda b: {**stats.row_metrics(b),
                                        "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0})
     metrics = {
         **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
         "draft": draft.name,
-        "verify_steps": step,
+        "verify_steps": rounds_done,
         **stats.metrics(),
         "cache_hit_rate": float(hits.sum() / lookups.sum()) if lookups.sum() else 0.0,
         "batch_cache_hit_rate": batch_all_hit[0] / batch_all_hit[1] if batch_all_hit[1] else 0.0,
@@ -288,14 +343,42 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         "b_star": b_star,
         "backup_model": costs,
         "fallback_calls": fallback_calls,
+        **stages,
+        "round_s": wall - ttft,
+        "calls_per_round": calls[0] / max(1, step),
+        "prefill_s": ttft,
+        "devices": {"single_device": pl.single, "target": len(pl.target_devices), "draft": len(pl.draft_devices)},
+    }
+    return GenerationResult(outputs, metrics, method="ssd")
+
+
+
+def _to_target(sp: Proposal, tput, single: bool) -> Proposal:
+    """What the target needs of a speculation (tokens, counts, q), on the target mesh."""
+    if single:
+        return Proposal(sp.tokens, sp.n_draft, sp.q)
+    return Proposal(tput(sp.tokens), tput(sp.n_draft), None if sp.q is None else tput(sp.q))
+
+
+
+def _stage_metrics(tl, wall: float, ttft: float) -> dict:
+    """Stage times from the timeline (profiled runs: --profile-stages or --trace)."""
+    events = tl.events()
+    dur = {}
+    for e in events:
+        dur[e["name"]] = dur.get(e["name"], 0.0) + (e["end"] - e["start"])
+    # draft time the target waited for: draft work (build, advance, fallbacks) while the target
+    # lane was idle; in single-device mode that is all of it, with perfect overlap none of it
+    tgt = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] in ("verify", "sample")]
+    drf = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] not in ("verify", "sample")]
+    exposed = _measure(_union(drf)) - _intersection(_union(drf), _union(tgt))
+    verify_s, sample_s = dur.get("verify", 0.0), dur.get("sample", 0.0)
+    draft_s = sum(v for k_, v in dur.items() if k_ in ("build", "advance") or k_.startswith("fallback"))
+    return {
         "draft_s": draft_s,
         "draft_exposed_s": exposed,
         "verify_s": verify_s,
         "sample_s": sample_s,
         "overhead_s": max(0.0, wall - ttft - verify_s - sample_s - exposed),
         "overlap_fraction": tl.overlap_fraction("verify", "build"),
-        "prefill_s": ttft,
-        "devices": {"single_device": pl.single, "target": len(pl.target_devices), "draft": len(pl.draft_devices)},
     }
-    return GenerationResult(outputs, metrics, method="ssd")
-

@@ -1,21 +1,20 @@
-"""The SSD device programs: the speculation tree (cache build: re-run, top-F candidates excluding
+"""The SSD device functions: the speculation tree (cache build: re-run, top-F candidates excluding
 the next proposal, all branches decoded K steps under a tree mask), the on-device lookup with
-the fallback in the same program, the first round's speculation and the host-proposal merge.
+the fallback in the same program (host proposals merged there too) and the first round's
+speculation. :mod:`.rounds` compiles them into the round's programs.
 See :mod:`ssd_jax.decoding.ssd` for the algorithm.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ssd_jax.decoding import runtime
 from ssd_jax.drafters.base import Proposal, align_vocab
-from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.drafters.model import draft_loop
 from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.sampling.rejection import mark_point_mass
@@ -71,24 +70,17 @@ def _replicate(tree, opts: Opts):
 
 
 def draft_chain(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts):
-    """K draft tokens after ``cur`` (cache lengths = committed length; cur not in the cache).
+    """K draft tokens after ``cur`` (cache lengths = committed length; cur not in the cache), by the
+    drafters' K-step loop with Saguaro sampling. Returns (tokens (B, K), q (B, K, V) | None, cache
+    with the same lengths)."""
+    def draw(key_d, lg, d):
+        return draft_sample(key_d, lg, rs, fan_BxK[:, d], needs_filter=opts.needs_filter, greedy=opts.greedy,
+                            c=opts.c, f_max=opts.budget)
 
-    Returns (tokens (B, K), q (B, K, V) | None, cache with the same lengths).
-    """
     start = cache.lengths
-
-    def body(carry, xs):
-        cache, tok = carry
-        d, key_d = xs
-        h, cache = llama.forward(params, cfg, tok[:, None], cache.with_lengths(start + d))
-        lg = align_vocab(llama.logits(params, cfg, h[:, 0]), opts.vocab)
-        nxt, lp = draft_sample(key_d, lg, rs, fan_BxK[:, d], needs_filter=opts.needs_filter, greedy=opts.greedy,
-                               c=opts.c, f_max=opts.budget)
-        return (cache, nxt), (nxt, lp)
-
-    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, cur_B), (jnp.arange(opts.k), jax.random.split(key, opts.k)))
-    q = None if qs is None else jnp.moveaxis(qs, 0, 1)
-    return toks.T, q, cache.with_lengths(start)
+    toks, q, cache = draft_loop(params, cache, cur_B, cur_B, jax.random.split(key, opts.k), draw, cfg=cfg,
+                                vocab=opts.vocab, catch_up=False)
+    return toks, q, cache.with_lengths(start)
 
 
 
@@ -146,11 +138,12 @@ def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_Bx
 
 
 def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key, rs, fan_BxK, *, cfg, opts: Opts,
-            backup: str):
+            backup: str, host_tokens=None, host_n=None):
     """Cache lookup for the verification outcome, plus the fallback for rows that missed.
 
     ``backup``: "neural" (re-draft just in time, skipped by ``lax.cond`` when every live row
-    hit), "random" (point-mass random tokens) or "host" (the host merges n-gram proposals).
+    hit), "random" (point-mass random tokens) or "host" (``host_tokens`` / ``host_n``: proposals
+    the host computed for every row, e.g. n-gram lookups, used where the row missed).
     Returns (next speculation (a Proposal with its hit flags), draft cache at the new committed lengths).
     """
     B, K = bonus_B.shape[0], opts.k
@@ -177,6 +170,11 @@ def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key,
         tokens = jnp.where(hit[:, None], tokens, rnd)
         if q is not None:
             q = mark_point_mass(q, jnp.broadcast_to(~hit[:, None], (B, K)))
+    elif backup == "host" and host_tokens is not None:  # without them: the lookup alone
+        tokens = jnp.where(hit[:, None], tokens, host_tokens)
+        n_draft = jnp.where(hit, n_draft, host_n)
+        if q is not None:
+            q = mark_point_mass(q, jnp.broadcast_to(~hit[:, None], (B, K)))
     return _replicate((Proposal(tokens, n_draft, q, hit), cache), opts)
 
 
@@ -191,37 +189,3 @@ def first_spec(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts, backu
     tokens = random_tokens(key, B, K, opts.rand_vocab)
     q = None if opts.greedy else jnp.full((B, K, opts.vocab), -jnp.inf, jnp.float32)
     return _replicate((Proposal(tokens, jnp.full((B,), K, jnp.int32), q, miss), cache), opts)
-
-
-
-def merge_host(spec: Proposal, use_B, tokens_BxK, n_B, *, opts: Opts) -> Proposal:
-    """Replace the rows in ``use_B`` by host proposals (point masses, e.g. n-gram lookups)."""
-    B, K = tokens_BxK.shape
-    q = spec.q
-    if q is not None:
-        q = mark_point_mass(q, jnp.broadcast_to(use_B[:, None], (B, K)))
-    out = Proposal(jnp.where(use_B[:, None], tokens_BxK, spec.tokens), jnp.where(use_B, n_B, spec.n_draft), q, spec.hit)
-    return _replicate(out, opts)
-
-
-
-@functools.lru_cache(maxsize=32)
-def ssd_programs(cfg, opts: Opts):
-    """Compiled draft-side programs for one draft config and option set."""
-    C = runtime.Compiled
-    return {
-        "prefill": C(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill"),
-        "build": C(functools.partial(build_tree, cfg=cfg, opts=opts), donate_argnums=(1,), name="build"),
-        **{
-            f"advance_{b}": C(functools.partial(advance, cfg=cfg, opts=opts, backup=b), donate_argnums=(2,),
-                              name=f"advance_{b}")
-            for b in ("neural", "random", "host")
-        },
-        **{
-            f"first_{b}": C(functools.partial(first_spec, cfg=cfg, opts=opts, backup=b), donate_argnums=(1,),
-                            name=f"first_{b}")
-            for b in ("neural", "random")
-        },
-        "merge": C(functools.partial(merge_host, opts=opts), name="merge"),
-    }
-
