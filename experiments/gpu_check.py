@@ -71,7 +71,7 @@ def hf_config(shape: dict) -> dict:
 
 def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
     """(HF name, shape, fan-in) of every tensor of a tied Qwen2 checkpoint."""
-    H, I, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    H, F, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = H // shape["num_attention_heads"]
     kv = shape["num_key_value_heads"] * hd
     out = [("model.embed_tokens.weight", (V, H), H), ("model.norm.weight", (H,), 0)]
@@ -81,8 +81,8 @@ def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
                 (p + "self_attn.q_proj.weight", (H, H), H), (p + "self_attn.q_proj.bias", (H,), H),
                 (p + "self_attn.k_proj.weight", (kv, H), H), (p + "self_attn.k_proj.bias", (kv,), H),
                 (p + "self_attn.v_proj.weight", (kv, H), H), (p + "self_attn.v_proj.bias", (kv,), H),
-                (p + "self_attn.o_proj.weight", (H, H), H), (p + "mlp.gate_proj.weight", (I, H), H),
-                (p + "mlp.up_proj.weight", (I, H), H), (p + "mlp.down_proj.weight", (H, I), I)]
+                (p + "self_attn.o_proj.weight", (H, H), H), (p + "mlp.gate_proj.weight", (F, H), H),
+                (p + "mlp.up_proj.weight", (F, H), H), (p + "mlp.down_proj.weight", (H, F), F)]
     return out
 
 
@@ -108,7 +108,7 @@ def write_random_hf(path: Path, shape: dict, seed: int) -> dict:
     h += b" " * (-len(h) % 8)
     with open(path / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
-        for name, shp, fan_in in specs:
+        for _name, shp, fan_in in specs:
             if fan_in == 0:
                 arr = np.ones(shp, ml_dtypes.bfloat16)
             else:
