@@ -97,7 +97,7 @@ def test_resume_skips_finished_runs_and_ratios_come_out_exact(tmp_path):
     protocol.run_protocol(runners, _units(), path, repeats=2, new_tokens=4, progress=False)
     assert len(log) == 1 + 2
     s = {(x["category"], x["method"]): x for x in protocol.summarize(protocol.read_rows(path))}
-    assert s[("all", "fast")]["decode_tok_s_vs_ar"] == pytest.approx((2.0, 2.0, 2.0))
+    assert s[("all", "fast")]["decode_tok_s_vs_base"] == pytest.approx((2.0, 2.0, 2.0))
     assert s[("code", "fast")]["prompts"] == 2 and s[("code", "fast")]["repeats"] == 2
     assert s[("all", "fast")]["same_tokens_as_ar"] == 1.0
     other = {"code": [{"id": "x", "prompt": [9]}] * 4, "chat": [{"id": "y", "prompt": [9]}] * 4}
@@ -121,7 +121,7 @@ def test_tiny_end_to_end_protocol(tmp_path, pair):
         assert s["same_tokens_as_ar"] == 1.0, s  # greedy speculation reproduces AR exactly
         assert s["decode_tok_s"][0] > 0
     md = protocol.write_report(path).read_text()
-    assert "| 1 | all | sd-k2 | 4 x 2 |" in md and "vs AR" in md
+    assert "| 1 | all | sd-k2 | 4 x 2 |" in md and "vs ar" in md
 
 
 def test_cli_rerenders_a_protocol_file(tmp_path):

@@ -252,8 +252,9 @@ def _bar(total: int, enabled: bool):
 # --- the report ------------------------------------------------------------------------------
 
 
-def summarize(rows: Sequence[dict]) -> list[dict]:
-    """One summary per (batch size, category or ``all``, method): tok/s and ratio-to-AR intervals."""
+def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
+    """One summary per (batch size, category or ``all``, method): tok/s and intervals of the ratio to
+    ``base`` (``ar``; a peer report also uses e.g. ``hf-generate``); ``same_tokens_as_ar`` is always against AR."""
     runs = [r for r in rows if r.get("kind") == "run"]
     by = defaultdict(dict)
     for r in runs:
@@ -272,9 +273,9 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
                  "prompts": len({k[1:3] for k, _ in mine}), "repeats": len({k[3] for k, _ in mine})}
             for f in ("decode_tok_s", "e2e_tok_s"):
                 s[f] = mean_ci(clustered((k[1:3], v[f]) for k, v in mine))
-                pairs = [(k[1:3], v[f] / cells[k]["ar"][f]) for k, v in mine
-                         if "ar" in cells[k] and v[f] > 0 and cells[k]["ar"][f] > 0]
-                s[f + "_vs_ar"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
+                pairs = [(k[1:3], v[f] / cells[k][base][f]) for k, v in mine
+                         if base in cells[k] and v[f] > 0 and cells[k][base][f] > 0]
+                s[f + "_vs_base"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
                 s[f + "_pairs"] = len(pairs)
             for f in ("acceptance_rate", "tokens_per_round", "ttft_s"):
                 vals = [v[f] for _, v in mine if v.get(f) is not None]
@@ -297,8 +298,8 @@ def _ci(t, p=2, x="") -> str:
     return f"{m:.{p}f}{x} [{lo:.{p}f}, {hi:.{p}f}]"
 
 
-def render(rows: Sequence[dict], title: str = "Benchmark protocol") -> str:
-    """The markdown report of a protocol results file's rows."""
+def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = "ar") -> str:
+    """The markdown report of a protocol results file's rows (ratios against method ``base``)."""
     envs = [r for r in rows if r.get("kind") == "env"]
     e = envs[-1] if envs else {}
     cfg = e.get("config", {})
@@ -308,33 +309,36 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol") -> str:
              f"{len(envs)} session(s). Methods {cfg.get('methods')}, {cfg.get('new_tokens')} new tokens, greedy, "
              f"order {cfg.get('order')}; load average (1 min) at session starts: "
              f"{', '.join(format(x['loadavg'][0], '.2f') for x in envs if 'loadavg' in x)}.", ""]
-    for k in ("bandwidth_gb_s", "roofline_ar_tok_s_per_row", "target", "draft", "weights", "peer"):
+    for k in ("bandwidth_gb_s", "roofline_ar_tok_s_per_row", "target", "draft", "weights", "peer", "threads",
+              "versions"):
         if k in e:
             lines.append(f"- {k}: {e[k]}")
     lines += ["", "Interleaved per unit in one process after a warm-up. Means with 95% t-intervals over prompts "
               "(a prompt's repeats averaged first). Ratios: geometric mean of the paired per-(prompt, repeat) ratios "
-              "to AR, 95% t-interval on the log ratios across prompts. decode = tokens after the first / time after "
+              f"to {base}, 95% t-interval on the log ratios across prompts. decode = tokens after the first / time after "
               "the first token; e2e = all tokens / wall time (prefill included).", "",
-              "| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs AR [95% CI] "
-              "| e2e tok/s [95% CI] | e2e vs AR [95% CI] | acceptance | tokens/round | decode / AR roofline "
+              f"| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs {base} [95% CI] "
+              f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | acceptance | tokens/round | decode / AR roofline "
               "| same tokens as AR | load avg | timed runs that compiled |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     roof = e.get("roofline_ar_tok_s_per_row")
-    for s in summarize(rows):
+    for s in summarize(rows, base):
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
         frac = f"{s['decode_tok_s'][0] / (roof * s['batch_size']):.0%}" if roof else "-"
         lines.append(f"| {s['batch_size']} | {s['category']} | {s['method']} | {s['prompts']} x {s['repeats']} "
-                     f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_ar'], x='x')} | {_ci(s['e2e_tok_s'])} "
-                     f"| {_ci(s['e2e_tok_s_vs_ar'], x='x')} | {f(s['acceptance_rate'])} | {f(s['tokens_per_round'])} "
+                     f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} | {_ci(s['e2e_tok_s'])} "
+                     f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['acceptance_rate'])} | {f(s['tokens_per_round'])} "
                      f"| {frac} | {f(s['same_tokens_as_ar'])} | {s['loadavg']:.2f} | {s['compiled_in_timed_runs']} |")
     lines += ["", "decode / AR roofline: decode tok/s over the AR bandwidth ceiling (measured read bandwidth / weight "
               "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%."]
     return "\n".join(lines) + "\n"
 
 
-def write_report(jsonl: str | os.PathLike, title: str = "Benchmark protocol") -> Path:
+def write_report(jsonl: str | os.PathLike, title: str = "Benchmark protocol", bases: Sequence[str] = ("ar",)) -> Path:
+    """``<jsonl>.md``: one table per base method."""
     md = Path(jsonl).with_suffix(".md")
-    md.write_text(render(read_rows(jsonl), title))
+    rows = read_rows(jsonl)
+    md.write_text("\n".join(render(rows, title if i == 0 else f"Against {b}", b) for i, b in enumerate(bases)))
     return md
 
 
