@@ -133,3 +133,23 @@ def test_cli_rerenders_a_protocol_file(tmp_path):
     path.with_suffix(".md").unlink(missing_ok=True)
     assert main(["--protocol-report", str(path)]) == 0
     assert "0.50x [0.50, 0.50]" in path.with_suffix(".md").read_text()
+
+
+def test_cli_suite_protocol_on_a_tiny_checkpoint(tmp_path, tiny_llama_path, monkeypatch):
+    """``--suite protocol`` end to end (batch 1 and 2) on a tokenizer-free tiny checkpoint: token-id prompts."""
+    from ssd_jax.cli.bench import main
+
+    monkeypatch.setattr(protocol, "category_prompts",
+                        lambda c, n: [{"id": f"{c}{i}", "prompt": [3 + i, 9, 11, 3 + i, 9]} for i in range(n)])
+    rc = main(["--suite", "protocol", "--target", tiny_llama_path, "--methods", "ar", "ngram:2", "--categories",
+               "code", "copy", "--n-prompts", "2", "--repeats", "1", "--batch-sizes", "1", "2", "--new-tokens", "6",
+               "--bandwidth", "10", "--out", str(tmp_path), "--tag", "tiny"])
+    assert rc == 0
+    rows = protocol.read_rows(next(tmp_path.glob("protocol_*_tiny.jsonl")))
+    runs = [r for r in rows if r["kind"] == "run"]
+    assert len(runs) == 2 * 2 * 2 * 2 and {r["batch_size"] for r in runs} == {1, 2}
+    assert all(r["generated_tokens"] == 6 * r["batch_size"] for r in runs)
+    env = [r for r in rows if r["kind"] == "env"][0]
+    assert env["bandwidth_gb_s"] == 10 and env["roofline_ar_tok_s_per_row"] > 0 and env["git_commit"]
+    md = next(tmp_path.glob("protocol_*_tiny.md")).read_text()
+    assert "| 2 | all | ngram-k2 | 4 x 1 |" in md and "| 1 | copy | ar | 2 x 1 |" in md
