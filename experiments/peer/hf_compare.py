@@ -1,6 +1,7 @@
 """Peer comparison under the benchmark protocol: HF transformers (CPU torch) and ssd_jax interleaved.
 
-One process, the same weights, the same token-id prompts and the same thread count for both:
+One process, the same weights, the same token-id prompts and the same thread count for both
+(torch gets ``--threads``, default all cores; XLA:CPU always uses all cores, so keep the default):
 HF plain ``generate``, HF assisted generation (the draft, K constant) and HF prompt lookup
 (K tokens) run in the protocol's rotated order per unit with ssd_jax AR, SD, n-gram SD and SSD
 (:mod:`ssd_jax.bench.protocol`: >= 8 prompts per category, >= 3 repeats, warm-up first,
