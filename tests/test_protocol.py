@@ -100,9 +100,11 @@ def test_resume_skips_finished_runs_and_ratios_come_out_exact(tmp_path):
     assert s[("all", "fast")]["decode_tok_s_vs_base"] == pytest.approx((2.0, 2.0, 2.0))
     assert s[("code", "fast")]["prompts"] == 2 and s[("code", "fast")]["repeats"] == 2
     assert s[("all", "fast")]["same_tokens_as_ar"] == 1.0
+    with pytest.raises(protocol.UserError, match="new tokens"):
+        protocol.run_protocol(runners, _units(), path, repeats=3, new_tokens=5, progress=False)
     other = {"code": [{"id": "x", "prompt": [9]}] * 4, "chat": [{"id": "y", "prompt": [9]}] * 4}
     with pytest.raises(protocol.UserError):
-        protocol.run_protocol(runners, protocol.build_units(other, 2, 1), path, repeats=3, progress=False)
+        protocol.run_protocol(runners, protocol.build_units(other, 2, 1), path, repeats=3, new_tokens=4, progress=False)
 
 
 def test_tiny_end_to_end_protocol(tmp_path, pair):

@@ -195,6 +195,11 @@ def run_protocol(runners: dict[str, Callable], units: Sequence[Unit], out_path: 
     old = read_rows(path)
     done = {_key(r) for r in old if r.get("kind") == "run"}
     idents = {(r["batch_size"], r["category"], r["prompt_index"]): r["unit"] for r in old if r.get("kind") == "run"}
+    for r in old:
+        c = r.get("config", {}) if r.get("kind") == "env" else {}
+        if c.get("batch_size") == batch and c.get("new_tokens") != new_tokens:
+            raise UserError(f"{path} holds runs of {c.get('new_tokens')} new tokens at batch {batch}, not "
+                            f"{new_tokens}: use a new file")
     for u in units:
         prev = idents.get((batch, u.category, u.index))
         if prev is not None and prev != u.ident:
@@ -284,7 +289,7 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
                     if "ar" in cells[k] and "tokens_sha" in v]
             s["same_tokens_as_ar"] = sum(same) / len(same) if same else None
             s["loadavg"] = sum((v["loadavg_before"] + v["loadavg_after"]) / 2 for _, v in mine) / len(mine)
-            s["compiled_in_timed_runs"] = sum(1 for _, v in mine if (v.get("compile_s") or 0) > 0.5)
+            s["compiled_in_timed_runs"] = sum(1 for _, v in mine if (v.get("compile_s") or 0) > 0)
             out.append(s)
     return out
 
