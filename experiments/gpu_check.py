@@ -6,12 +6,12 @@
 Steps, each in its own child process under a timeout (a hung or slow step costs only its
 limit; the steps after it still run, and what a step finished before it was killed is kept):
 
-1. ``build``: random-weight Hugging Face model folders (``config.json`` + ``model.safetensors``,
+1. ``device``: jax version, backend and devices; an HBM bandwidth probe (best of several
+   timed reductions and copies of a multi-GB bf16 array: GB/s read, and read + write).
+2. ``build``: random-weight Hugging Face model folders (``config.json`` + ``model.safetensors``,
    bf16, no tokenizer) with the shapes of Qwen2.5-1.5B (the target) and Qwen2.5-0.5B (an
    unrelated draft), written by a small safetensors writer (the format is a JSON header and
-   raw bytes), so nothing needs the network or carried weights.
-2. ``device``: jax version, backend and devices; an HBM bandwidth probe (best of several
-   timed reductions and copies of a multi-GB bf16 array: GB/s read, and read + write).
+   raw bytes), so nothing needs the network or carried weights. About 10 s per GB here.
 3. ``engine``: the real engine loops on the loaded folders (token-id prompts, greedy,
    ``ignore_eos``), each compiled by one untimed run first and timed over repeats: AR; SD and
    SSD with draft = target (acceptance ~1) and with the unrelated 0.5B draft (acceptance ~0);
@@ -54,9 +54,9 @@ TINY_D = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
               num_key_value_heads=2)
 
 FULL = {"target": QWEN_15B, "draft": QWEN_05B, "prompt_len": 128, "new_tokens": 128, "repeats": 3, "k": 4,
-        "bw_gbytes": 4.0, "limits": {"build": 120, "device": 60, "engine": 300, "forward": 90}}
+        "bw_gbytes": 4.0, "limits": {"device": 60, "build": 120, "engine": 300, "forward": 90}}
 SMOKE = {"target": TINY_T, "draft": TINY_D, "prompt_len": 12, "new_tokens": 8, "repeats": 1, "k": 2,
-         "bw_gbytes": 0.02, "limits": {"build": 30, "device": 30, "engine": 120}}
+         "bw_gbytes": 0.02, "limits": {"device": 30, "build": 30, "engine": 120}}
 
 
 # --- step 1: random-weight HF folders ---------------------------------------------------------
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     (work / "engine_rows.jsonl").unlink(missing_ok=True)
     if a.smoke:  # one plain CPU device, whatever the caller's (e.g. the test suite's 8 fake devices)
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = ""
+        os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     steps = {}
     with open(out / "gpu_check.log", "w") as log:
         for name, limit in cfg["limits"].items():
@@ -314,6 +314,10 @@ def main(argv=None) -> int:
             steps[name] = run_step(name, cfg, work, min(limit, left), log)
     rows_file = work / "engine_rows.jsonl"
     rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] if rows_file.is_file() else []
+    if not a.work:  # the model folders (GBs) in a temp dir of our own
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
     dev = steps.get("device", {}).get("result", {})
     if a.smoke:
         status = "smoke run (CPU, tiny shapes): checks the code path, not speed"
