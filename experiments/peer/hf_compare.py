@@ -185,6 +185,10 @@ def main(argv=None) -> int:
     md = protocol.write_report(path, f"Peer comparison: HF transformers vs ssd_jax ({ours_t.name} / {ours_d.name})",
                                bases=("ar", "hf-generate"))
     print(f"wrote {path} and {md}", file=sys.stderr)
+    if a.smoke:
+        import shutil
+
+        shutil.rmtree(Path(a.target_dir).parent, ignore_errors=True)
     return 0
 
 
