@@ -5,6 +5,12 @@ Suites ``ar``, ``sd`` and ``ssd`` (:mod:`ssd_jax.bench.suites`) write
 and ``paper`` are lists of resumable sweeps (:data:`ssd_jax.bench.sweep.SUITES`):
 ``python -m ssd_jax.bench --suite smoke`` writes ``experiments/results/smoke/`` (one JSON line
 per configuration, markdown tables and plots, an index ``README.md``).
+
+Suite ``protocol`` (:mod:`ssd_jax.bench.protocol`) is the benchmark protocol every speed
+claim follows: ``--methods ar sd:4 ngram:4 ssd:4`` interleaved per prompt, >= 8 prompts per
+category (code, chat, math, copy), >= 3 repeats, batch sizes ``--batch-sizes 1 16``; it writes
+``experiments/results/protocol_<backend>[_<tag>].{jsonl,md}`` and resumes a killed run.
+``--protocol-report FILE.jsonl`` re-renders its table.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 import os
 import sys
 
-from ssd_jax.bench import suites, sweep
+from ssd_jax.bench import protocol, suites, sweep
 from ssd_jax.bench.suites import DEFAULT_MODELS
 from ssd_jax.cli.args import Parser
 from ssd_jax.errors import cli_main
@@ -22,7 +28,7 @@ from ssd_jax.errors import cli_main
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper"],
+    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper", "protocol"],
                    help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/bench/sweep.py) "
                         "written to <out>/<suite>/ with a report")
     p.add_argument("--ssd-k", type=int, default=4)
@@ -40,6 +46,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default="experiments/results")
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
+    p.add_argument("--methods", nargs="+", default=["ar", "sd:4", "ngram:4", "ssd:4"],
+                   help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K); ar is required")
+    p.add_argument("--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order")
+    p.add_argument("--seed", type=int, default=0, help="protocol: seed of --order shuffle")
+    p.add_argument("--chat", action="store_true", help="protocol: wrap prompts in the target's chat template")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="protocol: read bandwidth in GB/s for the AR roofline (default: measured)")
+    p.add_argument("--protocol-report", metavar="RESULTS_JSONL", help="re-render a protocol results file's table")
     p.add_argument("--child-ar", help=argparse.SUPPRESS)
     p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
     p.add_argument("--sweep", metavar="CONFIG_JSON", help="run (or resume) a sweep: one JSON line per configuration "
@@ -63,6 +77,22 @@ def main(argv=None) -> int:
     if args.render:
         suites.rerender(args.render)
         return 0
+    if args.protocol_report:
+        print(f"wrote {protocol.write_report(args.protocol_report)}", file=sys.stderr)
+        return 0
+    if args.suite == "protocol":
+        given = argv if argv is not None else sys.argv[1:]
+        defaults = {"--n-prompts": ("n_prompts", 8), "--categories": ("categories", list(protocol.CATEGORIES)),
+                    "--batch-sizes": ("batch_sizes", [1]), "--new-tokens": ("new_tokens", 64)}
+        for flag, (attr, val) in defaults.items():
+            if flag not in given:
+                setattr(args, attr, val)
+
+        def go(_):
+            print(f"wrote {protocol.suite(args)}", file=sys.stderr)
+            return 0
+
+        return cli_main(go, None)
     if args.child_ar:
         print(json.dumps(suites.ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
         return 0
