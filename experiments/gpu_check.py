@@ -15,9 +15,10 @@ limit; the steps after it still run, and what a step finished before it was kill
 3. ``engine``: the real engine loops on the loaded folders (token-id prompts, greedy,
    ``ignore_eos``), each compiled by one untimed run first and timed over repeats: AR; SD and
    SSD with draft = target (acceptance ~1) and with the unrelated 0.5B draft (acceptance ~0);
-   SD with ``profile_stages`` for the draft / verify / sample / host split. Every row has decode
-   and end-to-end tok/s, acceptance, tokens per round, the SSD build (draft) and verify times
-   per round, and host time per round (wall minus the measured device stages).
+   SD and SSD with ``profile_stages`` for the draft (SSD: build) / verify / sample / host split
+   (the default loops make one call per round and report no stage times). Every row has decode
+   and end-to-end tok/s, acceptance, tokens per round, compiled calls per round, the stage times
+   per round where profiled, and host time per round (wall minus the measured device stages).
 4. ``forward`` (not in ``--smoke``): the performance model's synthetic-weight forward timings
    (``python -m ssd_jax.perfmodel --measure``), if time is left.
 
@@ -164,7 +165,7 @@ def _row(name: str, res, extra: dict) -> dict:
     row = {"method": name, **extra, **{k: m.get(k) for k in (
         "decode_tokens_per_s", "tokens_per_s", "ttft_s", "wall_s", "generated_tokens", "acceptance_rate",
         "mean_acceptance_length", "verify_steps", "draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s",
-        "overlap_fraction", "cache_hit_rate", "compile_s")}}
+        "overlap_fraction", "cache_hit_rate", "compile_s", "calls_per_round")}}
     decode_s = m["wall_s"] - m["ttft_s"]
     if rounds:
         row["decode_s_per_round"] = decode_s / rounds
@@ -198,6 +199,8 @@ def step_engine(cfg: dict, work: Path) -> dict:
         ("ssd draft=target", SpecConfig(method="ssd", draft=target, k=K)),
         ("ssd draft=unrelated", SpecConfig(method="ssd", draft=draft, k=K)),
         ("sd draft=unrelated, profiled stages", SpecConfig(method="sd", draft=draft, k=K, profile_stages=True)),
+        # SSD's stages as separate calls on a timeline: build against verify
+        ("ssd draft=unrelated, profiled stages", SpecConfig(method="ssd", draft=draft, k=K, profile_stages=True)),
     ]
     ref = None
     for name, spec in methods:
