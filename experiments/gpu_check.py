@@ -196,11 +196,14 @@ def step_engine(cfg: dict, work: Path) -> dict:
         ("ar", SpecConfig()),
         ("sd draft=target", SpecConfig(method="sd", draft=target, k=K)),
         ("sd draft=unrelated", SpecConfig(method="sd", draft=draft, k=K)),
-        ("ssd draft=target", SpecConfig(method="ssd", draft=target, k=K)),
-        ("ssd draft=unrelated", SpecConfig(method="ssd", draft=draft, k=K)),
+        # the neural backup: every round is then one call on one device (the n-gram backup of
+        # "auto" reads each round's tokens on the host before the lookup)
+        ("ssd draft=target", SpecConfig(method="ssd", draft=target, k=K, backup="neural")),
+        ("ssd draft=unrelated", SpecConfig(method="ssd", draft=draft, k=K, backup="neural")),
         ("sd draft=unrelated, profiled stages", SpecConfig(method="sd", draft=draft, k=K, profile_stages=True)),
         # SSD's stages as separate calls on a timeline: build against verify
-        ("ssd draft=unrelated, profiled stages", SpecConfig(method="ssd", draft=draft, k=K, profile_stages=True)),
+        ("ssd draft=unrelated, profiled stages", SpecConfig(method="ssd", draft=draft, k=K, backup="neural",
+                                                             profile_stages=True)),
     ]
     ref = None
     for name, spec in methods:
