@@ -102,12 +102,18 @@ def _case_id(c):
     return f"{c[0]}-{c[1]}-C{c[2]}-{samp}"
 
 
+def passing_run(pair, case, seed):
+    """Run ``case`` and assert that every one of its emitted tokens was scored and the test passed."""
+    rep, m, em = run_and_score(pair, *case, seed=seed)
+    assert not rep.rejected, str(rep)
+    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    return rep, m, em
+
+
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_emissions_follow_the_target(agree_pair, case):
     method, drafter, c, sampling = case
-    rep, m, em = run_and_score(agree_pair, method, drafter, c, sampling, seed=100 + CASES.index(case))
-    assert not rep.rejected, str(rep)
-    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    rep, m, em = passing_run(agree_pair, case, seed=100 + CASES.index(case))
     # the paths under test really ran
     if drafter in ("model", "neural", "auto") and c == 1.0:  # Saguaro C < 1 lowers acceptance by design
         assert 0.3 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
@@ -225,17 +231,14 @@ def trimmed_pair(agree_pair):
 @pytest.mark.parametrize("case", TRIM_CASES, ids=[_case_id(c) for c in TRIM_CASES])
 def test_trimmed_draft_emissions_follow_the_target(trimmed_pair, case):
     """A trimmed draft proposes only kept tokens; the residual max(0, p - q) must supply the rest."""
-    method, drafter, c, sampling = case
-    rep, m, em = run_and_score(trimmed_pair, method, drafter, c, sampling, seed=300 + TRIM_CASES.index(case))
-    assert not rep.rejected, str(rep)
-    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    rep, m, em = passing_run(trimmed_pair, case, seed=300 + TRIM_CASES.index(case))
     # the trim matters: the target puts a third or more of its mass outside the kept set, and the
     # emitted tokens follow it there, while the draft's proposals still get accepted
     outside = ~np.isin(np.arange(em.probs.shape[1]), TRIM_KEPT)
     assert em.probs[:, outside].sum(axis=1).mean() > 0.3
     assert (~np.isin(em.tokens, TRIM_KEPT)).mean() > 0.3
     assert 0.15 < m["acceptance_rate"] < 0.8, m["acceptance_rate"]
-    if method == "ssd":  # both paths ran; hits are rare (about 0.04): the bonus tokens the cache must
+    if case[0] == "ssd":  # both paths ran; hits are rare (about 0.04): the bonus tokens the cache must
         # predict come from the residual, which here sits mostly on tokens the trimmed draft cannot rank
         assert 0.01 < m["cache_hit_rate"] < 0.995, m["cache_hit_rate"]
 
