@@ -113,13 +113,25 @@ def read_counts(path: str | os.PathLike, tokenizer, vocab: int) -> np.ndarray | 
 
 
 def write_counts(path: str | os.PathLike, counts: np.ndarray, meta: dict[str, Any]) -> None:
-    """Write counts and metadata atomically (a temporary file, then a rename)."""
+    """Write counts and metadata as an ``.npz`` atomically (a temporary file, then a rename).
+
+    The zip members carry a fixed timestamp, so the same counts always give the same bytes.
+    """
+    import io
+    import zipfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    arrays = {"counts": np.asarray(counts, np.int64), "meta": np.asarray(json.dumps(meta, sort_keys=True))}
     try:
         with open(tmp, "wb") as f:
-            np.savez_compressed(f, counts=np.asarray(counts, np.int64), meta=np.asarray(json.dumps(meta, sort_keys=True)))
+            with zipfile.ZipFile(f, "w") as z:
+                for name, a in arrays.items():
+                    buf = io.BytesIO()
+                    np.lib.format.write_array(buf, a, allow_pickle=False)
+                    z.writestr(zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)), buf.getvalue(),
+                               compress_type=zipfile.ZIP_DEFLATED)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
