@@ -100,6 +100,7 @@ def test_spec_draft_vocab_trims_through_generate(trim_pair, ar_ref, monkeypatch)
     assert seen == [draft, draft]
     with pytest.raises(UserError, match="vocabulary of 128"):
         generate(target, PROMPTS, _sp(), SpecConfig(method="sd", draft=draft, k=3, draft_vocab=V + 1))
+    assert dv.trimmed_draft(draft, V, None) is draft  # all kept: nothing to trim
     untrimmed = generate(target, PROMPTS, _sp(), SpecConfig(method="sd", draft=draft, k=3))
     assert "draft_vocab" not in untrimmed.metrics
 

@@ -188,5 +188,7 @@ def trimmed_draft(draft: Any, n: int, load: Callable[[str], Any]):
     vocab = model.cfg.vocab_size
     if not 1 <= n <= vocab:
         raise UserError(f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}")
+    if n == vocab:  # every token kept: the full head is the trimmed head
+        return model
     counts = draft_token_counts(model, draft)
     return trim_draft(model, kept_ids(counts, n, always_kept(model.tokenizer)))
