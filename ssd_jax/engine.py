@@ -12,6 +12,7 @@ along in the static batch (their results are ignored), so nothing ever recompile
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -55,14 +56,25 @@ def generate(
     if not prompts:
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
+    load = functools.partial(load_model, dtype=model.cfg.dtype)
+    if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
+        from ssd_jax.drafters.vocab import trimmed_draft
+
+        spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
+        res = _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace)
+        res.metrics["draft_vocab"] = spec.draft_vocab
+        return res
+    return _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace)
+
+
+def _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace) -> GenerationResult:
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
 
-        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text,
-                            functools.partial(load_model, dtype=model.cfg.dtype), trace_path=trace)
+        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
     if spec.method == "sd":
         from ssd_jax.decoding.sd import generate_sd
 
-        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, functools.partial(load_model, dtype=model.cfg.dtype))
+        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
     return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
 

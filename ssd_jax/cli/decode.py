@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, default=4, help="speculative tokens per round")
     g.add_argument("--prompt-lookup-min", type=int, default=1)
     g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
+                   "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
+                   "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
     g = p.add_argument_group("speculative speculative decoding (--method ssd)")
     g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
                    "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
@@ -142,6 +145,7 @@ def run(argv=None) -> int:
         target_devices=args.target_devices,
         draft_devices=args.draft_devices,
         profile_stages=args.profile_stages,
+        draft_vocab=args.draft_vocab,
     )
     import jax
 

@@ -1,7 +1,7 @@
 """The speculative-decoding configuration, spelled the way serving engines spell it.
 
 ``SpecConfig`` is the ``spec`` argument of :func:`ssd_jax.generate` and the source of the
-CLI flags ``--method --draft --k --prompt-lookup-min/max`` (SD) and ``--fan-out
+CLI flags ``--method --draft --k --prompt-lookup-min/max --draft-vocab`` (SD) and ``--fan-out
 --fan-out-budget --saguaro-c --backup --draft-devices --target-devices`` (SSD).
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from ssd_jax.errors import UserError
 
@@ -35,6 +37,8 @@ class SpecConfig:
         (``draft_s``, ``verify_s``, ``sample_s``; SSD's overlap). Off by default: a round is
         then ONE compiled call (SSD on two meshes: one per target call, two draft calls), queued
         before the previous round's tokens are read, and the stage times are reported as null.
+      draft_vocab: keep only the N most frequent target tokens in the draft model's output head
+        (``ssd_jax.drafters.vocab``; None = the full vocabulary). Exact: q is 0 outside the kept set.
     """
 
     method: str = "ar"
@@ -49,6 +53,7 @@ class SpecConfig:
     target_devices: int | None = None
     draft_devices: int | None = None
     profile_stages: bool = False
+    draft_vocab: int | None = None
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an
@@ -64,6 +69,11 @@ class SpecConfig:
                 f"{self.prompt_lookup_max}"
             )
         self._validate_ranges(n_devices)
+        if self.draft_vocab is not None:
+            if self.method == "ar":
+                raise UserError("--draft-vocab trims the draft model's head; method ar has no draft")
+            if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
+                raise UserError(f"--draft-vocab trims a draft model's head; the {self.draft} drafter has none")
         if self.method != "ar" and self.draft is None:
             raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
         if self.method == "ssd":
@@ -86,6 +96,9 @@ class SpecConfig:
                 raise UserError(f"fan-out must be an integer or 'geometric', got {self.fan_out!r}") from None
             if f < 1:
                 raise UserError(f"fan-out must be >= 1, got {f}")
+        dv = self.draft_vocab
+        if dv is not None and (isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 1):
+            raise UserError(f"draft-vocab must be a positive integer (tokens kept in the draft's head), got {dv!r}")
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan
