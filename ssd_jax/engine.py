@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from ssd_jax.decoding.ar import generate_ar
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts
+from ssd_jax.decoding.kauto import resolve_k
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
 from ssd_jax.loading import load_model
@@ -55,14 +56,21 @@ def generate(
     if not prompts:
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
+    load = functools.partial(load_model, dtype=model.cfg.dtype)
+    # k="auto": K from a cached measurement (the calibration's time counts as compile time)
+    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
+    spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
 
-        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text,
-                            functools.partial(load_model, dtype=model.cfg.dtype), trace_path=trace)
-    if spec.method == "sd":
+        res = generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
+    elif spec.method == "sd":
         from ssd_jax.decoding.sd import generate_sd
 
-        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, functools.partial(load_model, dtype=model.cfg.dtype))
-    return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+        res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
+    else:
+        return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+    res.metrics["k_auto"] = k_auto
+    res.metrics["compile_s"] += calib_s
+    return res
 
