@@ -88,6 +88,10 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
     # a forced re-calibration measures again
     monkeypatch.setenv("SSD_JAX_KAUTO_RECALIBRATE", "1")
     assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"
+    monkeypatch.delenv("SSD_JAX_KAUTO_RECALIBRATE")
+    files[0].write_text('{"format": 1, "cos')  # a torn file is never trusted: measured again
+    assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"
+    assert json.loads(files[0].read_text())["alpha"] == a.metrics["k_auto"]["alpha"]
 
 
 def test_cli_k_auto(tiny_llama_path, capsys):

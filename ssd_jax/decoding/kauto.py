@@ -39,6 +39,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -135,10 +136,16 @@ def _read(path: Path):
 
 
 def _write_atomic(path: Path, rec: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Temporary file, then rename: readers see the old file, the new one or none, never half of one.
+    An unwritable cache is not an error (the run goes on with what it measured)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"warning: k=auto calibration not cached ({e})", file=sys.stderr)
 
 
 # --- the measurement ----------------------------------------------------------------------
