@@ -38,6 +38,9 @@ def test_spec_validation_of_k():
     for bad in (0, -1, "abc", 2.5, True):
         with pytest.raises(UserError, match="k must be"):
             SpecConfig(method="sd", draft="ngram", k=bad).validate()
+    with pytest.raises(UserError, match="fixes k"):  # a uniform fan-out's budget decides K: no calibration
+        SpecConfig(method="ssd", draft="x", fan_out=2, fan_out_budget=6).validate()
+    SpecConfig(method="ssd", draft="x", fan_out=2, fan_out_budget=6, k=2).validate()
 
 
 def test_auto_k_metrics_and_greedy_equality(pair, ar_ref):

@@ -78,8 +78,13 @@ class SpecConfig:
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
                 raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as "
                                 "--backup")
-            if self.fan_out != "geometric" and self.fan_out_budget is not None and self.k != "auto":
+            if self.fan_out != "geometric" and self.fan_out_budget is not None:
                 f = int(self.fan_out)
+                if self.k == "auto":
+                    raise UserError(
+                        f"uniform fan-out {f} uses {f}*(k+1) branches, so a fan-out budget fixes k: give --k "
+                        f"or drop --fan-out-budget"
+                    )
                 if self.fan_out_budget != f * (self.k + 1):
                     raise UserError(
                         f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
