@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from ssd_jax.decoding.ar import generate_ar
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts
+from ssd_jax.decoding.kauto import resolve_k
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
 from ssd_jax.loading import load_model
@@ -61,20 +62,23 @@ def generate(
         from ssd_jax.drafters.vocab import trimmed_draft
 
         spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
-        res = _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace)
-        res.metrics["draft_vocab"] = spec.draft_vocab
-        return res
-    return _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace)
-
-
-def _dispatch(model, prompts, ids, sampling, spec, on_text, load, trace) -> GenerationResult:
+    # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
+    # time counts as compile time
+    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
+    spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
 
-        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
-    if spec.method == "sd":
+        res = generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
+    elif spec.method == "sd":
         from ssd_jax.decoding.sd import generate_sd
 
-        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
-    return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+        res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
+    else:
+        return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+    res.metrics["k_auto"] = k_auto
+    res.metrics["compile_s"] += calib_s
+    if spec.draft_vocab is not None:
+        res.metrics["draft_vocab"] = spec.draft_vocab
+    return res
 

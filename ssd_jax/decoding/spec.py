@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ssd_jax.analysis.kchoice import K_MAX as K_AUTO_MAX
 from ssd_jax.errors import UserError
 
 METHODS = ("ar", "sd", "ssd")
@@ -24,7 +25,9 @@ class SpecConfig:
     Attributes:
       method: "ar" (no speculation), "sd" (draft + verify) or "ssd" (speculative speculative).
       draft: a draft model name or path, "ngram", "random", or a loaded model object.
-      k: speculative tokens per round (vLLM's num_speculative_tokens).
+      k: speculative tokens per round (vLLM's num_speculative_tokens), or "auto" (the default):
+        chosen in 1..8 from a short measurement of this machine's stage costs and the draft's
+        acceptance, cached on disk (:mod:`ssd_jax.decoding.kauto`); ``metrics["k"]`` is the K used.
       prompt_lookup_min / prompt_lookup_max: n-gram sizes for the n-gram drafter.
       fan_out: SSD fan-out, an int (uniform) or "geometric".
       fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs); geometric
@@ -43,7 +46,7 @@ class SpecConfig:
 
     method: str = "ar"
     draft: Any = None
-    k: int = 4
+    k: int | str = "auto"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     fan_out: int | str = "geometric"
@@ -61,8 +64,11 @@ class SpecConfig:
         cannot run. ``n_devices``: devices available, to check the mesh sizes against."""
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        if self.k < 1:
-            raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k != "auto":
+            if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)):
+                raise UserError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
+            if self.k < 1:
+                raise UserError(f"k must be >= 1, got {self.k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UserError(
                 f"need 1 <= prompt-lookup-min <= prompt-lookup-max, got {self.prompt_lookup_min} and "
@@ -82,6 +88,11 @@ class SpecConfig:
                                 "--backup")
             if self.fan_out != "geometric" and self.fan_out_budget is not None:
                 f = int(self.fan_out)
+                if self.k == "auto":
+                    raise UserError(
+                        f"uniform fan-out {f} uses {f}*(k+1) branches, so a fan-out budget fixes k: give --k "
+                        f"or drop --fan-out-budget"
+                    )
                 if self.fan_out_budget != f * (self.k + 1):
                     raise UserError(
                         f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
@@ -118,4 +129,6 @@ class SpecConfig:
     @property
     def extra_cache_slots(self) -> int:
         """Cache slots needed beyond prompt + new tokens (speculative tokens in flight)."""
-        return 0 if self.method == "ar" else self.k + 1
+        if self.method == "ar":
+            return 0
+        return (K_AUTO_MAX if self.k == "auto" else self.k) + 1
