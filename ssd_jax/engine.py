@@ -12,11 +12,13 @@ along in the static batch (their results are ignored), so nothing ever recompile
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 from ssd_jax.decoding.ar import generate_ar
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts
+from ssd_jax.decoding.kauto import resolve_k
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
 from ssd_jax.loading import load_model
@@ -55,14 +57,28 @@ def generate(
     if not prompts:
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
+    load = functools.partial(load_model, dtype=model.cfg.dtype)
+    if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
+        from ssd_jax.drafters.vocab import trimmed_draft
+
+        spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
+    # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
+    # time counts as compile time
+    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
+    spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
 
-        return generate_ssd(model, list(prompts), ids, sampling, spec, on_text,
-                            functools.partial(load_model, dtype=model.cfg.dtype), trace_path=trace)
-    if spec.method == "sd":
+        res = generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
+    elif spec.method == "sd":
         from ssd_jax.decoding.sd import generate_sd
 
-        return generate_sd(model, list(prompts), ids, sampling, spec, on_text, functools.partial(load_model, dtype=model.cfg.dtype))
-    return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+        res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
+    else:
+        return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+    res.metrics["k_auto"] = k_auto
+    res.metrics["compile_s"] += calib_s
+    if spec.draft_vocab is not None:
+        res.metrics["draft_vocab"] = spec.draft_vocab
+    return res
 

@@ -43,6 +43,20 @@ def _save_tiny(kind: str, path):
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kauto_cache(tmp_path_factory):
+    """k="auto" measurements of the session go to a temporary folder (subprocesses inherit it), never
+    to the user's ~/.cache/ssd_jax/kauto; one calibration per (target, draft, batch) per session."""
+    path = str(tmp_path_factory.mktemp("kauto"))
+    old = os.environ.get("SSD_JAX_KAUTO_CACHE")
+    os.environ["SSD_JAX_KAUTO_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("SSD_JAX_KAUTO_CACHE", None)
+    else:
+        os.environ["SSD_JAX_KAUTO_CACHE"] = old
+
+
 @pytest.fixture(scope="session", params=["llama", "llama3", "qwen2"])
 def tiny_hf(request, tmp_path_factory):
     """(kind, path, torch model) for a tiny random checkpoint of each supported family."""

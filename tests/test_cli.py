@@ -57,6 +57,7 @@ def test_prompts_file_jsonl_and_lines(tiny_llama_path, tmp_path):
         (["--max-new-tokens", "abc"], "max-new-tokens"),
         (["--method", "beam"], "unknown method"),
         (["--method", "sd", "--draft", "ngram", "--k", "0"], "k must be"),
+        (["--method", "sd", "--draft", "ngram", "--k", "abc"], "k must be"),
     ],
 )
 def test_bad_flags(args, needle):
@@ -144,6 +145,8 @@ def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
         (["--temperature", "nan"], "temperature"),
         (["--top-k", "-1"], "top-k"),
         (["--k", "0"], "k must be"),
+        (["--k", "abc"], "k must be"),
+        (["--k", "2.5"], "k must be"),
         (["--method", "ssd", "--draft", "x", "--saguaro-c", "-1"], "saguaro"),
         (["--saguaro-c", "2"], "saguaro"),
         (["--saguaro-c", "nan"], "saguaro"),

@@ -39,6 +39,9 @@ from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax.decoding.ssd import rounds as ssd_rounds
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.decoding import sd as sd_mod
+from ssd_jax.drafters import model as model_drafter
+from ssd_jax.drafters.vocab import trim_draft
+from ssd_jax.models import llama
 from ssd_jax.sampling import rejection as verify_mod
 from ssd_jax.sampling.filters import filter_logprobs
 
@@ -100,12 +103,18 @@ def _case_id(c):
     return f"{c[0]}-{c[1]}-C{c[2]}-{samp}"
 
 
+def passing_run(pair, case, seed):
+    """Run ``case`` and assert that every one of its emitted tokens was scored and the test passed."""
+    rep, m, em = run_and_score(pair, *case, seed=seed)
+    assert not rep.rejected, str(rep)
+    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    return rep, m, em
+
+
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_emissions_follow_the_target(agree_pair, case):
     method, drafter, c, sampling = case
-    rep, m, em = run_and_score(agree_pair, method, drafter, c, sampling, seed=100 + CASES.index(case))
-    assert not rep.rejected, str(rep)
-    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    rep, m, em = passing_run(agree_pair, case, seed=100 + CASES.index(case))
     # the paths under test really ran
     if drafter in ("model", "neural", "auto") and c == 1.0:  # Saguaro C < 1 lowers acceptance by design
         assert 0.3 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
@@ -201,6 +210,64 @@ def test_negative_control_fails(agree_pair, monkeypatch, bug, case):
     _clear_compiled()
     try:
         rep, m, _ = run_and_score(agree_pair, method, drafter, c, sampling, seed=500 + CASES.index(case))
+    finally:
+        monkeypatch.undo()
+        _clear_compiled()
+    assert rep.rejected, f"the biased engine passed: {rep}"
+
+
+# --------------------------------------------------------------------------- trimmed draft vocabulary
+
+#: the draft's head keeps half of the 16 tokens (ssd_jax.drafters.vocab): q = 0 on the other half
+TRIM_KEPT = np.arange(0, 16, 2, dtype=np.int32)
+TRIM_CASES = [("sd", "model", 1.0, T1), ("ssd", "neural", 1.0, T1)]
+
+
+@pytest.fixture(scope="module")
+def trimmed_pair(agree_pair):
+    target, draft = agree_pair
+    return target, trim_draft(draft, TRIM_KEPT)
+
+
+@pytest.mark.parametrize("case", TRIM_CASES, ids=[_case_id(c) for c in TRIM_CASES])
+def test_trimmed_draft_emissions_follow_the_target(trimmed_pair, case):
+    """A trimmed draft proposes only kept tokens; the residual max(0, p - q) must supply the rest."""
+    rep, m, em = passing_run(trimmed_pair, case, seed=300 + TRIM_CASES.index(case))
+    # the trim matters: the target puts a third or more of its mass outside the kept set, and the
+    # emitted tokens follow it there, while the draft's proposals still get accepted
+    outside = ~np.isin(np.arange(em.probs.shape[1]), TRIM_KEPT)
+    assert em.probs[:, outside].sum(axis=1).mean() > 0.3
+    assert (~np.isin(em.tokens, TRIM_KEPT)).mean() > 0.3
+    assert 0.15 < m["acceptance_rate"] < 0.8, m["acceptance_rate"]
+    if case[0] == "ssd":  # both paths ran; hits are rare (about 0.04): the bonus tokens the cache must
+        # predict come from the residual, which here sits mostly on tokens the trimmed draft cannot rank
+        assert 0.01 < m["cache_hit_rate"] < 0.995, m["cache_hit_rate"]
+
+
+def _q_from_the_untrimmed_head(monkeypatch, full_draft):
+    """(g) trimmed drafting done wrong: proposals restricted to the kept tokens, but the q handed to the
+    verifier left at the full head's values (nonzero outside the kept set, so wrongly normalised)."""
+    real_logits, real_sample = llama.logits, model_drafter.sample
+    kept = jnp.zeros((16,), bool).at[TRIM_KEPT].set(True)
+
+    def logits(params, cfg, hidden):
+        if "head_ids" in params:  # the full head's logits, as if the trim had not happened
+            return real_logits(full_draft.params, cfg, hidden)
+        return real_logits(params, cfg, hidden)
+
+    def sample(key, logits_BxV, rs, needs_filter):
+        return real_sample(key, jnp.where(kept, logits_BxV, -jnp.inf), rs, needs_filter)
+
+    monkeypatch.setattr(llama, "logits", logits)
+    monkeypatch.setattr(model_drafter, "sample", sample)
+
+
+def test_trimmed_draft_negative_control_fails(agree_pair, trimmed_pair, monkeypatch):
+    case = TRIM_CASES[0]
+    _q_from_the_untrimmed_head(monkeypatch, agree_pair[1])
+    _clear_compiled()
+    try:
+        rep, _, _ = run_and_score(trimmed_pair, *case, seed=600)
     finally:
         monkeypatch.undo()
         _clear_compiled()

@@ -74,10 +74,11 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-@pytest.mark.parametrize("drafter", ["tiny", "ngram", "shipped"])
+@pytest.mark.parametrize("drafter", ["tiny", "ngram", "shipped", "shipped-vocab2048"])
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
-    or the trained draft shipped in checkpoints/ (the default draft of this target)."""
+    or the trained draft shipped in checkpoints/ (the default draft of this target), also with its
+    head trimmed to the 2,048 most frequent tokens (its token counts ship next to it)."""
     import dataclasses
 
     from ssd_jax.models.params import init_params
@@ -86,19 +87,23 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
         cfg = ours.cfg.replace(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
                                head_dim=16)
         draft = dataclasses.replace(ours, name="tiny-random-draft", cfg=cfg, params=init_params(cfg, 0, scale=0.05))
-    elif drafter == "shipped":
+    elif drafter.startswith("shipped"):
         from ssd_jax.drafters import default_draft
 
-        draft = ssd_jax.load_model(default_draft("smollm2-135m-instruct"))
+        draft = default_draft("smollm2-135m-instruct")
+        if drafter == "shipped":
+            draft = ssd_jax.load_model(draft)
     else:
         draft = "ngram"
     ids = [ours.tokenizer.encode(p) for p in PROMPTS[:3]]
     sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
     ar = ssd_jax.generate(ours, ids, sp)
-    sd = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="sd", draft=draft, k=3))
+    vocab = 2048 if drafter == "shipped-vocab2048" else None
+    sd = ssd_jax.generate(ours, ids, sp, ssd_jax.SpecConfig(method="sd", draft=draft, k=3, draft_vocab=vocab))
     assert [o["token_ids"] for o in sd.outputs] == [o["token_ids"] for o in ar.outputs]
+    assert sd.metrics.get("draft_vocab") == vocab
     check_round_accounting(sd, k=3, fixed_k=drafter != "ngram")  # n-gram proposals can be short
-    if drafter == "shipped":  # trained, not random: it agrees with the target well above chance
+    if drafter.startswith("shipped"):  # trained, not random: it agrees with the target well above chance
         assert sd.metrics["acceptance_rate"] > 0.1
 
 

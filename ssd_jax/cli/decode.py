@@ -45,9 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speculation")
     g.add_argument("--method", default="ar", help="ar | sd | ssd")
     g.add_argument("--draft", default=None, help="draft model name or path, 'ngram' or 'random'")
-    g.add_argument("--k", type=int, default=4, help="speculative tokens per round")
+    g.add_argument("--k", default="auto", help="speculative tokens per round: an integer >= 1, or 'auto' (default): "
+                   "chosen in 1..8 from a short calibration of this machine, cached under $SSD_JAX_CACHE/kauto")
     g.add_argument("--prompt-lookup-min", type=int, default=1)
     g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
+                   "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
+                   "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
     g = p.add_argument_group("speculative speculative decoding (--method ssd)")
     g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
                    "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
@@ -132,7 +136,7 @@ def run(argv=None) -> int:
     spec = SpecConfig(
         method=args.method,
         draft=args.draft,
-        k=args.k,
+        k=_k_flag(args.k),
         prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         fan_out=args.fan_out if args.fan_out == "geometric" else _int_flag("--fan-out", args.fan_out),
@@ -142,6 +146,7 @@ def run(argv=None) -> int:
         target_devices=args.target_devices,
         draft_devices=args.draft_devices,
         profile_stages=args.profile_stages,
+        draft_vocab=args.draft_vocab,
     )
     import jax
 
@@ -189,7 +194,7 @@ def run(argv=None) -> int:
     )
     if "acceptance_rate" in m:
         print(
-            f"[{res.method}] draft {m['draft']} k={m['k']}: acceptance {m['acceptance_rate']:.2f}, "
+            f"[{res.method}] draft {m['draft']} k={m['k']}{' (auto)' if m.get('k_auto') else ''}: acceptance {m['acceptance_rate']:.2f}, "
             f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
             + (f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
                f"overhead {m['overhead_s']:.2f}s" if m.get("draft_s") is not None else "stage times: --profile-stages"),
@@ -205,6 +210,17 @@ def run(argv=None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _k_flag(value) -> int | str:
+    from ssd_jax.errors import UserError
+
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--k must be an integer >= 1 or 'auto', got {value!r}") from None
 
 
 def _int_flag(name, value) -> int:

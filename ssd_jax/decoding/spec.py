@@ -1,7 +1,7 @@
 """The speculative-decoding configuration, spelled the way serving engines spell it.
 
 ``SpecConfig`` is the ``spec`` argument of :func:`ssd_jax.generate` and the source of the
-CLI flags ``--method --draft --k --prompt-lookup-min/max`` (SD) and ``--fan-out
+CLI flags ``--method --draft --k --prompt-lookup-min/max --draft-vocab`` (SD) and ``--fan-out
 --fan-out-budget --saguaro-c --backup --draft-devices --target-devices`` (SSD).
 """
 
@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from ssd_jax.analysis.kchoice import K_MAX as K_AUTO_MAX
 from ssd_jax.errors import UserError
 
 METHODS = ("ar", "sd", "ssd")
@@ -22,7 +25,9 @@ class SpecConfig:
     Attributes:
       method: "ar" (no speculation), "sd" (draft + verify) or "ssd" (speculative speculative).
       draft: a draft model name or path, "ngram", "random", or a loaded model object.
-      k: speculative tokens per round (vLLM's num_speculative_tokens).
+      k: speculative tokens per round (vLLM's num_speculative_tokens), or "auto" (the default):
+        chosen in 1..8 from a short measurement of this machine's stage costs and the draft's
+        acceptance, cached on disk (:mod:`ssd_jax.decoding.kauto`); ``metrics["k"]`` is the K used.
       prompt_lookup_min / prompt_lookup_max: n-gram sizes for the n-gram drafter.
       fan_out: SSD fan-out, an int (uniform) or "geometric".
       fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs); geometric
@@ -35,11 +40,13 @@ class SpecConfig:
         (``draft_s``, ``verify_s``, ``sample_s``; SSD's overlap). Off by default: a round is
         then ONE compiled call (SSD on two meshes: one per target call, two draft calls), queued
         before the previous round's tokens are read, and the stage times are reported as null.
+      draft_vocab: keep only the N most frequent target tokens in the draft model's output head
+        (``ssd_jax.drafters.vocab``; None = the full vocabulary). Exact: q is 0 outside the kept set.
     """
 
     method: str = "ar"
     draft: Any = None
-    k: int = 4
+    k: int | str = "auto"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     fan_out: int | str = "geometric"
@@ -49,6 +56,7 @@ class SpecConfig:
     target_devices: int | None = None
     draft_devices: int | None = None
     profile_stages: bool = False
+    draft_vocab: int | None = None
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an
@@ -56,14 +64,22 @@ class SpecConfig:
         cannot run. ``n_devices``: devices available, to check the mesh sizes against."""
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r} (choose from {', '.join(METHODS)})")
-        if self.k < 1:
-            raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k != "auto":
+            if isinstance(self.k, bool) or not isinstance(self.k, (int, np.integer)):
+                raise UserError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
+            if self.k < 1:
+                raise UserError(f"k must be >= 1, got {self.k}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UserError(
                 f"need 1 <= prompt-lookup-min <= prompt-lookup-max, got {self.prompt_lookup_min} and "
                 f"{self.prompt_lookup_max}"
             )
         self._validate_ranges(n_devices)
+        if self.draft_vocab is not None:
+            if self.method == "ar":
+                raise UserError("--draft-vocab trims the draft model's head; method ar has no draft")
+            if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
+                raise UserError(f"--draft-vocab trims a draft model's head; the {self.draft} drafter has none")
         if self.method != "ar" and self.draft is None:
             raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
         if self.method == "ssd":
@@ -72,6 +88,11 @@ class SpecConfig:
                                 "--backup")
             if self.fan_out != "geometric" and self.fan_out_budget is not None:
                 f = int(self.fan_out)
+                if self.k == "auto":
+                    raise UserError(
+                        f"uniform fan-out {f} uses {f}*(k+1) branches, so a fan-out budget fixes k: give --k "
+                        f"or drop --fan-out-budget"
+                    )
                 if self.fan_out_budget != f * (self.k + 1):
                     raise UserError(
                         f"uniform fan-out {f} with k={self.k} uses {f * (self.k + 1)} branches; drop --fan-out-budget "
@@ -86,6 +107,9 @@ class SpecConfig:
                 raise UserError(f"fan-out must be an integer or 'geometric', got {self.fan_out!r}") from None
             if f < 1:
                 raise UserError(f"fan-out must be >= 1, got {f}")
+        dv = self.draft_vocab
+        if dv is not None and (isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 1):
+            raise UserError(f"draft-vocab must be a positive integer (tokens kept in the draft's head), got {dv!r}")
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan
@@ -105,4 +129,6 @@ class SpecConfig:
     @property
     def extra_cache_slots(self) -> int:
         """Cache slots needed beyond prompt + new tokens (speculative tokens in flight)."""
-        return 0 if self.method == "ar" else self.k + 1
+        if self.method == "ar":
+            return 0
+        return (K_AUTO_MAX if self.k == "auto" else self.k) + 1

@@ -172,5 +172,19 @@ def forward(
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Output head in float32: ``(..., D) -> (..., V)``."""
+    if "head_ids" in params:
+        return trimmed_logits(params, cfg, hidden)
     w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def trimmed_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """A trimmed output head (draft vocabulary trimming, ``ssd_jax.drafters.vocab``).
+
+    ``params["head"]`` holds N rows of the head for the token ids ``params["head_ids"]`` (N,);
+    the result is still ``(..., V)``, -inf outside the kept ids, so the softmax (the draft's q)
+    is 0 there and the tokens are never proposed.
+    """
+    kept = jnp.einsum("...d,nd->...n", hidden, params["head"], preferred_element_type=jnp.float32)
+    full = jnp.full(kept.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., params["head_ids"]].set(kept)

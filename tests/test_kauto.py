@@ -1,0 +1,123 @@
+"""``k="auto"`` / ``--k auto``: the K choice from α and costs, the on-disk calibration cache, exactness
+with the chosen K, the ``k`` / ``k_auto`` metrics and the CLI flag (tiny random models)."""
+
+import json
+
+import pytest
+from test_sd import PROMPTS, _ids
+
+from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.analysis.kchoice import K_MAX, best_k, expected_speedups, interpolate_verify
+from ssd_jax.errors import UserError
+
+SP = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+
+def test_best_k_on_known_optima():
+    flat = {k: 1.0 for k in range(1, K_MAX + 1)}  # verify as cheap as a step (GPU-like)
+    # α = 0.8, draft step 0.1 of a target step: S(K) = E(K) / (1 + 0.1 K) peaks at K = 6 (2.470 vs 2.459, 2.448)
+    sp = expected_speedups(0.8, 1.0, flat, t_draft_step=0.1)
+    assert best_k(sp) == 6
+    assert sp[6] == pytest.approx((1 - 0.8 ** 7) / 0.2 / 1.6)
+    assert best_k(expected_speedups(0.9, 1.0, flat)) == K_MAX  # free draft: more is better
+    assert best_k(expected_speedups(0.0, 1.0, flat, t_draft_step=0.1)) == 1  # nothing is ever accepted
+    assert best_k(expected_speedups(1.0, 1.0, flat, c_round=0.5)) == K_MAX
+    # a verify that grows with K caps it: t_v(K+1) = 1 + 0.25 K, free draft, α = 0.8:
+    # S = 1.44, 1.627, 1.687, 1.681 for K = 1..4 -> K = 3
+    grow = {k: 1 + 0.25 * k for k in range(1, K_MAX + 1)}
+    sp = expected_speedups(0.8, 1.0, grow)
+    assert best_k(sp) == max(sp, key=sp.get) == 3
+    assert best_k({1: 2.0, 2: 2.0, 3: 1.0}) == 1  # ties: the smaller K
+    assert interpolate_verify({1: 1.0, 4: 4.0, 8: 4.0}) == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 4.0, 6: 4.0, 7: 4.0,
+                                                           8: 4.0}
+
+
+def test_spec_validation_of_k():
+    SpecConfig(method="sd", draft="ngram").validate()  # default: auto
+    assert SpecConfig().k == "auto"
+    for bad in (0, -1, "abc", 2.5, True):
+        with pytest.raises(UserError, match="k must be"):
+            SpecConfig(method="sd", draft="ngram", k=bad).validate()
+    with pytest.raises(UserError, match="fixes k"):  # a uniform fan-out's budget decides K: no calibration
+        SpecConfig(method="ssd", draft="x", fan_out=2, fan_out_budget=6).validate()
+    SpecConfig(method="ssd", draft="x", fan_out=2, fan_out_budget=6, k=2).validate()
+
+
+def test_auto_k_metrics_and_greedy_equality(pair, ar_ref):
+    target, draft = pair
+    for d in (draft, "ngram"):
+        res = generate(target, PROMPTS, SP, SpecConfig(method="sd", draft=d))
+        m = res.metrics
+        assert isinstance(m["k"], int) and 1 <= m["k"] <= K_MAX
+        ka = m["k_auto"]
+        assert ka["source"] in ("measured", "cache") and 0.0 <= ka["alpha"] <= 1.0
+        assert set(ka["costs"]) == {"t_ar", "t_verify", "t_draft_step", "c_round"}
+        sp = {int(k): v for k, v in ka["expected_speedup_by_k"].items()}
+        assert sorted(sp) == list(range(1, K_MAX + 1)) and best_k(sp) == m["k"]
+        assert m["compile_s"] >= ka["calibration_s"]
+        assert _ids(res) == ar_ref, d
+    ssd = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft))
+    assert ssd.metrics["k_auto"]["source"] == "cache"  # SSD reuses SD's measurement of the pair
+    assert _ids(ssd) == ar_ref
+    # an explicit k is used as given (here auto's own choice: the same compiled round, the same tokens)
+    fixed = generate(target, PROMPTS, SP, SpecConfig(method="sd", draft="ngram", k=res.metrics["k"]))
+    assert fixed.metrics["k_auto"] is None and fixed.metrics["k"] == res.metrics["k"] and _ids(fixed) == ar_ref
+    assert "k_auto" not in generate(target, PROMPTS, SP).metrics  # AR ignores k
+
+
+def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=3)
+    spec = SpecConfig(method="sd", draft=draft)
+    a = generate(target, PROMPTS, sp, spec)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and a.metrics["k_auto"]["source"] == "measured"
+    assert not list(tmp_path.glob(".*tmp"))  # the atomic write left no temporary file
+    b = generate(target, PROMPTS, sp, spec)
+    assert b.metrics["k_auto"]["source"] == "cache" and b.metrics["k_auto"]["calibration_s"] == 0.0
+    assert b.metrics["k"] == a.metrics["k"] and _ids(b) == _ids(a)
+    assert b.metrics["k_auto"]["costs"] == a.metrics["k_auto"]["costs"]
+    # the K comes from the stored numbers: make K = 5 the optimum and it is used
+    rec = json.loads(files[0].read_text())
+    assert rec["batch"] == len(PROMPTS) and rec["alpha"] == a.metrics["k_auto"]["alpha"]
+    rec["alpha"] = 0.9
+    rec["costs"].update(t_ar=1.0, t_draft_step=0.05, c_round=0.0, t_verify={"1": 1.0, "2": 1.0, "4": 1.0, "8": 2.0})
+    files[0].write_text(json.dumps(rec))
+    c = generate(target, PROMPTS, sp, spec)
+    assert c.metrics["k"] == 4 == best_k(expected_speedups(0.9, 1.0, interpolate_verify(
+        {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0}), t_draft_step=0.05))
+    assert c.metrics["acceptance_histogram"] and len(c.metrics["acceptance_histogram"]) == 4 + 1
+    # a forced re-calibration measures again
+    monkeypatch.setenv("SSD_JAX_KAUTO_RECALIBRATE", "1")
+    assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"
+    monkeypatch.delenv("SSD_JAX_KAUTO_RECALIBRATE")
+    files[0].write_text('{"format": 1, "cos')  # a torn file is never trusted: measured again
+    assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"
+    assert json.loads(files[0].read_text())["alpha"] == a.metrics["k_auto"]["alpha"]
+
+
+def test_cli_k_auto(tiny_llama_path, capsys):
+    from ssd_jax.cli.decode import main
+
+    common = ["--target", tiny_llama_path, "--prompt-ids", "1,2,3,1,2,3", "--max-new-tokens", "6", "--ignore-eos",
+              "--json"]
+    assert main([*common, "--method", "sd", "--draft", "ngram"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert isinstance(d["metrics"]["k"], int) and d["metrics"]["k_auto"]["source"] in ("measured", "cache")
+    assert main([*common, "--method", "sd", "--draft", "ngram", "--k", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["metrics"]["k_auto"]["source"] == "cache"
+    assert main([*common, "--method", "ar", "--k", "auto"]) == 0  # ignored by AR
+    assert json.loads(capsys.readouterr().out)["method"] == "ar"
+
+
+def test_random_drafter_alpha_is_exact_and_a_draft_equal_to_the_target_accepts_everything(pair):
+    """Calibration only (no decoding): α = 1/V for uniform proposals, α = 1 when draft = target."""
+    from ssd_jax.decoding.kauto import calibrate
+
+    target, _ = pair
+    rec = calibrate(target, SpecConfig(method="sd", draft="random"), None, len(PROMPTS), 128)
+    assert rec["alpha"] == 1 / 128 and rec["alpha_source"] == "exact"
+    assert rec["costs"]["t_draft_step"] == 0.0 and all(v > 0 for v in rec["costs"]["t_verify"].values())
+    rec = calibrate(target, SpecConfig(method="sd", draft=target), target, len(PROMPTS), 128)
+    assert rec["alpha"] == 1.0 and rec["costs"]["t_draft_step"] > 0
