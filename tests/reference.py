@@ -32,6 +32,8 @@ import numpy as np
 from scipy import stats as sps
 
 from ssd_jax.loading import LoadedModel
+from ssd_jax.models.forms import CANONICAL
+from ssd_jax.models.params import flatten, to_layout, unflatten
 
 # --------------------------------------------------------------------------- numpy model
 
@@ -55,7 +57,8 @@ def _rope(x_TxNxh, inv):
 
 def np_logits(model: LoadedModel, ids) -> np.ndarray:
     """(T, V) float64 logits of one sequence: position t predicts token t + 1. Full context, causal."""
-    cfg, P = model.cfg, model.params
+    cfg = model.cfg.replace(forms=CANONICAL)  # the reference reads weights in the checkpoint layout
+    P = unflatten(cfg, {n: to_layout(model.cfg, cfg, n, np.asarray(w)) for n, w in flatten(model.params).items()})
     if cfg.rope_scaling is not None:
         raise NotImplementedError("the reference covers the tiny test models (no RoPE scaling)")
     ids = np.asarray(ids, np.int64)

@@ -177,7 +177,8 @@ def trim_draft(model, head_ids: np.ndarray):
     params = dict(model.params)
     src = params["embed"] if model.cfg.tie_embeddings else params.pop("lm_head")
     ids = jnp.asarray(np.asarray(head_ids, np.int32))
-    params["head"] = jnp.take(src, ids, axis=0)
+    # the head's stored layout (ssd_jax.models.forms): (V, D) rows, or (D, V) columns
+    params["head"] = jnp.take(src, ids, axis=0 if model.cfg.forms.head.layout == "oi" else 1)
     params["head_ids"] = ids
     return dataclasses.replace(model, params=params)
 

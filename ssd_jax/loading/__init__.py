@@ -32,7 +32,9 @@ from ssd_jax.loading.store import (
     save_converted,
 )
 from ssd_jax.loading.tokenizer import Tokenizer
-from ssd_jax.models.params import check_flat, unflatten
+from ssd_jax.models.forms import Forms
+from ssd_jax.models.forms import resolve as resolve_forms
+from ssd_jax.models.params import check_flat, to_layout, unflatten
 
 __all__ = [
     "LoadedModel",
@@ -195,6 +197,7 @@ def load_model(
     name_or_path: str | os.PathLike,
     dtype: str = "float32",
     place: Callable[[str, np.ndarray], Any] | None = None,
+    forms: str | Forms | None = None,
 ) -> LoadedModel:
     """Load a model and place its weights on devices, one tensor at a time.
 
@@ -202,18 +205,26 @@ def load_model(
     one that uses a ``NamedSharding`` for sharded placement). Arrays arrive in ``dtype``.
     On CPU, ``jax.device_put`` of a read-only memory map may alias the cache file instead
     of copying it, so loading from the cache is fast and uses page cache, not heap.
+
+    ``forms`` (``ssd_jax.models.forms.resolve``: "auto" by default, per backend) sets the
+    returned ``cfg.forms``; a matrix whose layout differs from the stored one is transposed
+    once, here, before ``place`` sees it (arrays then arrive in that layout: build shardings
+    from the returned config's ``param_specs``).
     """
     m, tensors = _open(name_or_path, dtype)
+    cfg = m.cfg.replace(forms=resolve_forms(m.cfg, forms))
     place = place or _default_place
     placed: dict[str, Any] = {}
     for name, arr in tensors:  # one at a time, already in dtype; our reference is dropped once placed
+        arr = to_layout(m.cfg, cfg, name, arr)
         placed[name] = place(name, arr)
         del arr
+    m.cfg = cfg
     _checked(m, placed)
     return LoadedModel(
         name=m.name,
-        cfg=m.cfg,
-        params=unflatten(m.cfg, placed),
+        cfg=cfg,
+        params=unflatten(cfg, placed),
         tokenizer=m.tokenizer,
         weights_sha256=m.weights_sha256,
         source=m.source,

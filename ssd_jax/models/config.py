@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from ssd_jax.models.forms import Forms
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -46,6 +48,9 @@ class ModelConfig:
       max_position_embeddings: the context window.
       bos_token_id / eos_token_ids: special tokens (eos may be several ids).
       dtype: activation / weight dtype name ("float32" on CPU, "bfloat16" on accelerators).
+      forms: how each weight matrix is stored and contracted (``ssd_jax.models.forms``); the
+        default is the checkpoint layout (out, in) with ``x @ W.T`` everywhere. Loaders set it
+        per backend and transpose the stored tensors to match, once.
     """
 
     arch: str = "llama"
@@ -65,6 +70,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    forms: Forms = Forms()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -81,6 +87,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d.pop("forms")
+        if not self.forms.canonical:  # absent = checkpoint layout (keeps older files and readers valid)
+            d["forms"] = self.forms.to_dict()
         return d
 
     @classmethod
@@ -89,6 +98,7 @@ class ModelConfig:
         rs = d.get("rope_scaling")
         d["rope_scaling"] = RopeScaling(**rs) if rs else None
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["forms"] = Forms.from_dict(d.get("forms"))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

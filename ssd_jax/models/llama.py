@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ssd_jax.models import forms as F
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import Params
 
@@ -95,9 +96,21 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul(x: jax.Array, w_OxI: jax.Array) -> jax.Array:
-    """``x @ w.T`` for a weight stored (out, in)."""
-    return jnp.einsum("...i,oi->...o", x, w_OxI)
+def matmul(x: jax.Array, w: jax.Array, form: F.Form = F.CHECKPOINT_FORM, out_dim: int | None = None) -> jax.Array:
+    """``x @ W.T`` for a weight W declared (out, in) and stored as ``form`` says (``ssd_jax.models.forms``).
+
+    ``out_dim`` flattens a stored multi-axis weight (e.g. wq (H, hd, D)) to 2-D first: free reshapes.
+    """
+    if out_dim is not None:
+        w = w.reshape(out_dim, -1) if form.layout == "oi" else w.reshape(-1, out_dim)
+    return F.apply(x, w, form)
+
+
+def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Embedding rows of ``tokens``; a tied embedding stored (D, V) (head form "io") is read by column."""
+    if cfg.tie_embeddings and cfg.forms.head.layout == "io":
+        return jnp.moveaxis(jnp.take(params["embed"], tokens, axis=1), 0, -1)
+    return params["embed"][tokens]
 
 
 def causal_slot_mask(slots_BxT: jax.Array, max_len: int) -> jax.Array:
@@ -109,10 +122,11 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     B, T, _ = x.shape
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     D = x.shape[-1]
-    # 2-D matmuls over free reshapes of the (out, in) weights
-    q = matmul(x, layer["wq"].reshape(H * hd, D)).reshape(B, T, H, hd)
-    k = matmul(x, layer["wk"].reshape(KVH * hd, D)).reshape(B, T, KVH, hd)
-    v = matmul(x, layer["wv"].reshape(KVH * hd, D)).reshape(B, T, KVH, hd)
+    fm = cfg.forms
+    # 2-D matmuls over free reshapes of the stored weights
+    q = matmul(x, layer["wq"], fm.q, H * hd).reshape(B, T, H, hd)
+    k = matmul(x, layer["wk"], fm.k, KVH * hd).reshape(B, T, KVH, hd)
+    v = matmul(x, layer["wv"], fm.v, KVH * hd).reshape(B, T, KVH, hd)
     if cfg.qkv_bias:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = apply_rope(q, positions, inv_freq)
@@ -127,7 +141,7 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v_cache).reshape(B, T, H, hd)
-    return matmul(out.reshape(B, T, H * hd), layer["wo"].reshape(D, H * hd)), k_cache, v_cache
+    return matmul(out.reshape(B, T, H * hd), layer["wo"], fm.o, D), k_cache, v_cache
 
 
 def forward(
@@ -154,7 +168,7 @@ def forward(
     if mask_BxTxS is None:
         mask_BxTxS = causal_slot_mask(slots_BxT, cache.max_len)
     inv_freq = rope_inv_freq(cfg)
-    x = params["embed"][tokens_BxT].astype(cfg.jnp_dtype)
+    x = embed_tokens(params, cfg, tokens_BxT).astype(cfg.jnp_dtype)
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
@@ -163,9 +177,9 @@ def forward(
         new_v.append(vc)
         x = x + a
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        g = matmul(h, layer["w_gate"])
-        u = matmul(h, layer["w_up"])
-        x = x + matmul(jax.nn.silu(g) * u, layer["w_down"])
+        g = matmul(h, layer["w_gate"], cfg.forms.gate)
+        u = matmul(h, layer["w_up"], cfg.forms.up)
+        x = x + matmul(jax.nn.silu(g) * u, layer["w_down"], cfg.forms.down)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return x, KVCache(new_k, new_v, cache.lengths)
 
@@ -175,16 +189,16 @@ def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     if "head_ids" in params:
         return trimmed_logits(params, cfg, hidden)
     w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+    return F.apply(hidden, w, cfg.forms.head, preferred_element_type=jnp.float32)
 
 
 def trimmed_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """A trimmed output head (draft vocabulary trimming, ``ssd_jax.drafters.vocab``).
 
-    ``params["head"]`` holds N rows of the head for the token ids ``params["head_ids"]`` (N,);
-    the result is still ``(..., V)``, -inf outside the kept ids, so the softmax (the draft's q)
-    is 0 there and the tokens are never proposed.
+    ``params["head"]`` holds N rows of the head (in the head's stored layout) for the token ids
+    ``params["head_ids"]`` (N,); the result is still ``(..., V)``, -inf outside the kept ids, so
+    the softmax (the draft's q) is 0 there and the tokens are never proposed.
     """
-    kept = jnp.einsum("...d,nd->...n", hidden, params["head"], preferred_element_type=jnp.float32)
+    kept = F.apply(hidden, params["head"], cfg.forms.head, preferred_element_type=jnp.float32)
     full = jnp.full(kept.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
     return full.at[..., params["head_ids"]].set(kept)

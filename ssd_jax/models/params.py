@@ -12,10 +12,12 @@ weights. The parameter pytree is::
      "final_norm": (D,),
      ["lm_head": (V, D)]}          # absent when embeddings are tied
 
-Matrices are stored (out, in), the layout of torch / GGUF / safetensors checkpoints, and
-multiplied as ``x @ W.T`` (contracting the last axis of both). On XLA:CPU this is up to 2x
-faster than the (in, out) layout for the wide-input matrices (w_down) and for the small-T
-matmuls of speculative verification, and loaders need no transposes. Layers are a
+Matrices are declared (out, in), the layout of torch / GGUF / safetensors checkpoints, and
+multiplied as ``x @ W.T``. ``cfg.forms`` (``ssd_jax.models.forms``) may store a matrix
+(in, out) instead (shapes and logical axes above with the in and out groups swapped, e.g.
+"wq": (D, H, hd)), chosen per backend: on XLA:CPU the best form at a few rows depends on
+the shape. Checkpoints and converted caches stay (out, in); :func:`to_layout` transposes one
+tensor at load. Layers are a
 Python list of per-layer dicts: on CPU the unrolled loop is markedly faster per decode
 step than ``lax.scan`` over stacked weights (REFERENCE §6).
 
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.forms import CANONICAL
 
 Params = dict[str, Any]
 
@@ -37,7 +40,34 @@ Params = dict[str, Any]
 EMBED, VOCAB, HEADS, KV_HEADS, HEAD_DIM, MLP = "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp"
 
 
+#: matrix name (last part of the flat name) -> (forms role, number of leading "out" axes in (out, in) layout)
+MATRICES = {"wq": ("q", 2), "wk": ("k", 2), "wv": ("v", 2), "wo": ("o", 1),
+            "w_gate": ("gate", 1), "w_up": ("up", 1), "w_down": ("down", 1), "lm_head": ("head", 1)}
+
+
+def matrix_role(cfg: ModelConfig, name: str) -> tuple[str, int] | None:
+    """(forms role, out-axis count) of a flat or layer-local parameter name; None for non-matrices."""
+    base = name.split(".")[-1]
+    if base == "embed":
+        return ("head", 1) if cfg.tie_embeddings else None  # a tied embedding is the head
+    return MATRICES.get(base)
+
+
+def _perm(ndim: int, n_out: int, layout: str) -> tuple[int, ...]:
+    """Axis order taking the (out..., in...) declaration to ``layout``."""
+    return tuple(range(ndim)) if layout == "oi" else tuple(range(n_out, ndim)) + tuple(range(n_out))
+
+
+def _laid_out(cfg: ModelConfig, name: str, spec):
+    role = matrix_role(cfg, name)
+    if role is None:
+        return spec
+    perm = _perm(len(spec[0]), role[1], getattr(cfg.forms, role[0]).layout)
+    return tuple(spec[0][i] for i in perm), tuple(spec[1][i] for i in perm)
+
+
 def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Layer-local name -> (shape, logical axes) in ``cfg.forms``' storage layout."""
     D, H, KVH, hd, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     s = {
         "attn_norm": ((D,), (None,)),
@@ -50,6 +80,7 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
         "w_up": ((F, D), (MLP, EMBED)),
         "w_down": ((D, F), (EMBED, MLP)),
     }
+    s = {k: _laid_out(cfg, k, v) for k, v in s.items()}
     if cfg.qkv_bias:
         s["bq"] = ((H, hd), (HEADS, HEAD_DIM))
         s["bk"] = ((KVH, hd), (KV_HEADS, HEAD_DIM))
@@ -60,9 +91,9 @@ def layer_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
 def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Flat name -> (shape, logical axes) for every parameter of ``cfg``."""
     D, V = cfg.hidden_size, cfg.vocab_size
-    specs = {"embed": ((V, D), (VOCAB, EMBED)), "final_norm": ((D,), (None,))}
+    specs = {"embed": _laid_out(cfg, "embed", ((V, D), (VOCAB, EMBED))), "final_norm": ((D,), (None,))}
     if not cfg.tie_embeddings:
-        specs["lm_head"] = ((V, D), (VOCAB, EMBED))
+        specs["lm_head"] = _laid_out(cfg, "lm_head", ((V, D), (VOCAB, EMBED)))
     for i in range(cfg.num_layers):
         for k, v in layer_specs(cfg).items():
             specs[f"layers.{i}.{k}"] = v
@@ -72,12 +103,33 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
 def from_checkpoint(cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
     """A checkpoint tensor (torch/GGUF (out, in) matrix, or a vector) in our layout for ``name``.
 
-    ``name`` is a flat name ("layers.3.wq", "lm_head", ...). Only reshapes: no data moves.
+    ``name`` is a flat name ("layers.3.wq", "lm_head", ...). Only reshapes: no data moves. The
+    result is in the checkpoint layout whatever ``cfg.forms`` says (see :func:`to_layout`).
     """
+    cfg = cfg.replace(forms=CANONICAL)
     shape = param_specs(cfg)[name][0] if not name.startswith("layers.") else layer_specs(cfg)[name.split(".")[-1]][0]
     if w.size != int(np.prod(shape)):
         raise ValueError(f"tensor for {name} has {w.size} elements ({w.shape}), expected shape {shape}")
     return w.reshape(shape)
+
+
+def to_layout(src: ModelConfig, dst: ModelConfig, name: str, w):
+    """Tensor ``name`` stored as ``src.forms`` says, in ``dst.forms``' layout (numpy or jax array).
+
+    A no-op (the same object) when the layouts agree; otherwise one transposed, contiguous copy
+    (the caller drops the original, so each weight exists once).
+    """
+    role = matrix_role(src, name)
+    if role is None:
+        return w
+    a, b = getattr(src.forms, role[0]).layout, getattr(dst.forms, role[0]).layout
+    if a == b:
+        return w
+    to_oi = _perm(w.ndim, w.ndim - role[1], "io")  # (in..., out...) -> (out..., in...)
+    perm = to_oi if a == "io" else _perm(w.ndim, role[1], "io")
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(w.transpose(perm))
+    return jnp.transpose(w, perm)
 
 
 def unflatten(cfg: ModelConfig, flat: dict[str, Any]) -> Params:

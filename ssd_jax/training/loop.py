@@ -69,7 +69,8 @@ def train(
     if run.has_run() and not args.resume:
         raise UserError(f"{run.path} already holds a training run: pass --resume to continue it or choose another --out")
 
-    target = load_model(args.target, dtype=args.dtype)
+    # checkpoint layout: drafts are saved and share tensors in it (ssd_jax.loading.draft)
+    target = load_model(args.target, dtype=args.dtype, forms="canonical")
     tcfg = target.cfg
     cfg, law = size_draft(tcfg, args.size)
     init_idx = init_layer_indices(args.init_layers, tcfg.num_layers, cfg.num_layers)

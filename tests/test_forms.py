@@ -1,0 +1,166 @@
+"""Matmul forms (ssd_jax.models.forms): every storage layout and contraction order computes the
+same forward pass, the loader applies the layout exactly once, and shardings follow it."""
+
+import gc
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssd_jax.loading import load_model, store
+from ssd_jax.models import forms as F
+from ssd_jax.models import llama
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.params import flatten, init_params, param_specs, to_layout, unflatten
+
+IO_R, IO_L, OI_L = F.Form("io"), F.Form("io", ("left",) * 3), F.Form("oi", ("left",) * 3)
+MIXED = F.Forms(
+    q=F.Form("io", ("right", "left", "right")),
+    k=IO_L,
+    v=IO_L,
+    o=IO_R,
+    gate=IO_R,
+    up=OI_L,
+    down=F.Form("io", ("right", "left", "left")),
+    head=IO_R,
+)
+CASES = {
+    "all io right": F.Forms(**{r: IO_R for r in F.ROLES}),
+    "all io left": F.Forms(**{r: IO_L for r in F.ROLES}),
+    "all oi left": F.Forms(**{r: OI_L for r in F.ROLES}),
+    "mixed": MIXED,
+}
+
+
+def _cfg(tie: bool, bias: bool) -> ModelConfig:
+    return ModelConfig(
+        arch="qwen2" if bias else "llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        qkv_bias=bias,
+        tie_embeddings=tie,
+    )
+
+
+def _relaid(cfg, params, forms):
+    dst = cfg.replace(forms=forms)
+    return dst, unflatten(dst, {n: to_layout(cfg, dst, n, w) for n, w in flatten(params).items()})
+
+
+def _run(cfg, params, tokens, cache_len=32):
+    cache = llama.init_cache(cfg, tokens.shape[0], cache_len)
+    h, _ = jax.jit(llama.forward, static_argnums=1)(params, cfg, tokens, cache)
+    return np.asarray(jax.jit(llama.logits, static_argnums=1)(params, cfg, h))
+
+
+@pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_form_computes_the_reference_forward(case, tie, bias):
+    cfg = _cfg(tie, bias)
+    params = init_params(cfg, seed=1, scale=0.2)
+    fcfg, fparams = _relaid(cfg, params, CASES[case])
+    rng = np.random.default_rng(0)
+    for B, T in ((1, 1), (1, 5), (2, 5), (1, 20)):  # decode, verify (K = 4), batched verify, prefill buckets
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+        np.testing.assert_allclose(
+            _run(fcfg, fparams, tokens), _run(cfg, params, tokens), rtol=2e-5, atol=2e-5
+        )
+
+
+def test_layout_round_trip_and_shapes():
+    cfg = _cfg(tie=True, bias=True)
+    params = init_params(cfg, seed=2)
+    fcfg, fparams = _relaid(cfg, params, MIXED)
+    for n, (shape, _) in param_specs(fcfg).items():
+        assert flatten(fparams)[n].shape == shape
+    assert param_specs(fcfg)["layers.0.wq"][0] == (32, 4, 8)  # (D, H, hd): stored (in, out)
+    assert param_specs(fcfg)["embed"][0] == (32, 96)  # tied: the embedding is the head
+    back, bparams = _relaid(fcfg, fparams, F.CANONICAL)
+    for n, w in flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(flatten(bparams)[n]), np.asarray(w))
+
+
+def test_config_serialises_forms_and_omits_the_default():
+    cfg = _cfg(tie=False, bias=False)
+    assert "forms" not in cfg.to_dict()
+    fcfg = cfg.replace(forms=MIXED)
+    assert ModelConfig.from_dict(json.loads(json.dumps(fcfg.to_dict()))) == fcfg
+    hash(fcfg)  # still a static jit argument
+
+
+def test_backend_choice_keeps_accelerators_canonical(monkeypatch):
+    cfg = _cfg(tie=False, bias=False)
+    assert F.for_backend(cfg, "gpu") == F.CANONICAL and F.for_backend(cfg, "tpu") == F.CANONICAL
+    assert F.resolve(cfg, "canonical") == F.CANONICAL
+    monkeypatch.setenv("SSD_JAX_FORMS", "canonical")
+    assert F.resolve(cfg) == F.CANONICAL
+    table = {
+        "q/o": [
+            {"shape": [1536, 1536], "layout": "io", "orders": {"1": "right", "5": "left", "64": "right"}},
+            {"shape": [32, 32], "layout": "oi", "orders": {"1": "left", "5": "left", "64": "right"}},
+        ]
+    }
+    got = F.from_table(table, F.table_shapes(cfg))
+    assert got.q == got.o == F.Form("oi", ("left", "left", "right"))  # the nearest measured shape decides
+    assert got.down == F.Form()  # roles the table lacks keep the checkpoint form
+    assert F.for_backend(cfg, "cpu") == F.from_table(F.load_table(), F.table_shapes(cfg))
+
+
+def test_loading_applies_the_layout_once(tmp_path):
+    cfg = _cfg(tie=False, bias=True)
+    rng = np.random.default_rng(0)
+    flat = {n: rng.standard_normal(s).astype(np.float32) for n, (s, _) in param_specs(cfg).items()}
+    store.save_converted(tmp_path / "m", cfg, iter(dict(flat).items()), None, {"name": "m"})
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    m = load_model(tmp_path / "m", forms=MIXED)
+    live = sum(a.nbytes for a in jax.live_arrays()) - before
+    leaves = jax.tree.leaves(m.params)
+    assert m.cfg.forms == MIXED and len(leaves) == len(flat)
+    assert live == sum(a.nbytes for a in flat.values()) == sum(x.nbytes for x in leaves)  # one copy of each
+    fcfg = cfg.replace(forms=MIXED)
+    for n, a in flatten(m.params).items():
+        np.testing.assert_array_equal(np.asarray(a), to_layout(cfg, fcfg, n, flat[n]))
+    assert m.params["layers"][0]["wq"].shape == (32, 4, 8) and m.params["layers"][0]["wk"].shape == (32, 2, 8)
+    canon = load_model(tmp_path / "m", forms="canonical")
+    tokens = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+    np.testing.assert_allclose(
+        _run(m.cfg, m.params, tokens), _run(canon.cfg, canon.params, tokens), rtol=2e-5, atol=2e-5
+    )
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (fake) devices")
+def test_sharding_follows_the_stored_layout():
+    from ssd_jax.parallel.sharding import make_mesh, shard_params
+
+    cfg = _cfg(tie=False, bias=True)
+    params = init_params(cfg, seed=3, scale=0.2)
+    fcfg, fparams = _relaid(cfg, params, CASES["all io right"])
+    sp = shard_params(fcfg, fparams, make_mesh(jax.devices()[:4]))
+    assert sp["layers"][0]["wq"].sharding.spec[:2] == (None, "tp")  # (D, H, hd): heads split
+    assert sp["layers"][0]["w_down"].sharding.spec[0] == "tp"  # (F, D): MLP hidden split
+    assert sp["lm_head"].sharding.spec[:2] == (None, "tp")  # (D, V): vocabulary split
+    tokens = jnp.asarray([[5, 6, 7, 8, 9]], jnp.int32)
+    np.testing.assert_allclose(_run(fcfg, sp, tokens), _run(cfg, params, tokens), rtol=2e-5, atol=2e-5)
+
+
+def test_numpy_reference_reads_any_layout():
+    from types import SimpleNamespace
+
+    from reference import np_logits
+
+    cfg = _cfg(tie=True, bias=True)
+    params = init_params(cfg, seed=4, scale=0.2)
+    fcfg, fparams = _relaid(cfg, params, MIXED)
+    ids = [3, 1, 4, 1, 5]
+    want = np_logits(SimpleNamespace(cfg=cfg, params=params), ids)
+    np.testing.assert_allclose(np_logits(SimpleNamespace(cfg=fcfg, params=fparams), ids), want, rtol=1e-12)
+    tokens = jnp.asarray([ids], jnp.int32)
+    np.testing.assert_allclose(_run(fcfg, fparams, tokens)[0], want, rtol=1e-4, atol=1e-4)
