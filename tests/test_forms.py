@@ -164,3 +164,23 @@ def test_numpy_reference_reads_any_layout():
     np.testing.assert_allclose(np_logits(SimpleNamespace(cfg=fcfg, params=fparams), ids), want, rtol=1e-12)
     tokens = jnp.asarray([ids], jnp.int32)
     np.testing.assert_allclose(_run(fcfg, fparams, tokens)[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_trimmed_draft_head_follows_the_stored_layout(tie):
+    """Vocabulary trimming slices the head in whatever layout it is stored: same logits either way."""
+    from ssd_jax.drafters import vocab as dv
+    from ssd_jax.loading.loaded import LoadedModel
+
+    cfg = _cfg(tie, False)
+    params = init_params(cfg, seed=3)
+    io_cfg, io_params = _relaid(cfg, params, F.Forms(head=F.Form("io")))
+    ids = np.array([0, 3, 5, 11], np.int32)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((2, cfg.hidden_size)), jnp.float32)
+    out = []
+    for c, p in ((cfg, params), (io_cfg, io_params)):
+        m = LoadedModel(name="t", cfg=c, params=p, tokenizer=None, weights_sha256="", source="test")
+        t = dv.trim_draft(m, ids)
+        out.append(np.asarray(llama.logits(t.params, t.cfg, h)))
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(out[1][:, 1]).all() and np.isfinite(out[1][:, ids]).all()
