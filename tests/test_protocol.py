@@ -8,6 +8,7 @@ import pytest
 
 from ssd_jax.bench import protocol
 from ssd_jax.bench.stats import clustered, mean_ci, ratio_ci, t975
+from ssd_jax.errors import UserError
 
 
 def test_t_quantile_table_and_expansion():
@@ -155,3 +156,12 @@ def test_cli_suite_protocol_on_a_tiny_checkpoint(tmp_path, tiny_llama_path, monk
     assert env["bandwidth_gb_s"] == 10 and env["roofline_ar_tok_s_per_row"] > 0 and env["git_commit"]
     md = next(tmp_path.glob("protocol_*_tiny.md")).read_text()
     assert "| 2 | all | ngram-k2 | 4 x 1 |" in md and "| 1 | copy | ar | 2 x 1 |" in md
+
+
+def test_method_names_parse_auto_k_and_vocabulary_trimming():
+    specs = protocol.method_specs(["ar", "sd:auto", "ngram:3", "ssd:2:v64", "sd"], draft="d")
+    assert specs["sd-kauto"].k == "auto" and specs["ngram-k3"].k == 3 and specs["sd-k4"].k == 4
+    assert specs["ssd-k2-v64"].draft_vocab == 64 and specs["ssd-k2-v64"].method == "ssd"
+    for bad in ("sd:x", "sd:4:64", "ngram:4:v8", "sd:4:v8:z"):
+        with pytest.raises(UserError):
+            protocol.method_specs(["ar", bad], draft="d")

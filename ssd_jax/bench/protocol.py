@@ -145,21 +145,30 @@ class EngineRunner:
 
 
 def method_specs(names: Sequence[str], draft=None) -> dict[str, Any]:
-    """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``."""
+    """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
+    K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. ``sd:K:vN`` /
+    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``)."""
     from ssd_jax.decoding.spec import SpecConfig
 
     out = {}
     for n in names:
-        kind, _, k = n.partition(":")
-        k = int(k or 4)
+        kind, *rest = n.split(":")
+        try:
+            k = rest[0] if rest and rest[0] == "auto" else int(rest[0]) if rest and rest[0] else 4
+            vocab = int(rest[1][1:]) if len(rest) > 1 and rest[1].startswith("v") else None
+        except ValueError:
+            raise UserError(f"bad method {n!r} (ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN)") from None
+        if len(rest) > 2 or (len(rest) == 2 and vocab is None) or (vocab is not None and kind not in ("sd", "ssd")):
+            raise UserError(f"bad method {n!r} (ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN)")
+        suffix = f"-k{k}" + (f"-v{vocab}" if vocab else "")
         if kind == "ar":
             out["ar"] = SpecConfig()
         elif kind == "ngram":
-            out[f"ngram-k{k}"] = SpecConfig(method="sd", draft="ngram", k=k)
+            out[f"ngram{suffix}"] = SpecConfig(method="sd", draft="ngram", k=k)
         elif kind in ("sd", "ssd"):
             if draft is None:
                 raise UserError(f"method {n} needs a draft model")
-            out[f"{kind}-k{k}"] = SpecConfig(method=kind, draft=draft, k=k)
+            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=draft, k=k, draft_vocab=vocab)
         else:
             raise UserError(f"unknown method {n!r} (ar, sd:K, ngram:K, ssd:K)")
     if "ar" not in out:

@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="experiments/results")
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
     p.add_argument("--methods", nargs="+", default=["ar", "sd:4", "ngram:4", "ssd:4"],
-                   help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K); ar is required")
+                   help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
+                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N); ar is required")
     p.add_argument("--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order")
     p.add_argument("--seed", type=int, default=0, help="protocol: seed of --order shuffle")
     p.add_argument("--chat", action="store_true", help="protocol: wrap prompts in the target's chat template")
