@@ -341,3 +341,12 @@ def test_one_call_rounds_equal_profiled_rounds(pair, backup):
         assert fused.metrics["calls_per_round"] == 1.0
     assert fused.metrics["verify_s"] is None and prof.metrics["verify_s"] > 0
     assert prof.metrics["calls_per_round"] == 4.0
+
+
+def test_second_run_reports_no_compile_time(pair):
+    """compile_s counts compiles only: a repeated SSD run compiles nothing (its setup call is not a compile)."""
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    spec = SpecConfig(method="ssd", draft=draft, k=3, backup="neural")
+    generate(target, PROMPTS, sp, spec)
+    assert generate(target, PROMPTS, sp, spec).metrics["compile_s"] == 0.0
