@@ -38,8 +38,9 @@ TARGET = "ssd_jax_rows_matmul"
 #: flag sets tried in order (the first that compiles wins)
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-w")
-#: the kernel is called for 1 <= rows <= MAX_ROWS; above, it measured no faster than XLA's dot
-MAX_ROWS = 12
+#: the kernel is called for 1 <= rows <= MAX_ROWS (the verify bucket, ``forms.BUCKETS[1]``;
+#: measured faster than XLA's dot up to 16 rows, experiments/results/matmul_kernel_cpu.md)
+MAX_ROWS = 16
 
 
 def enabled() -> bool:
