@@ -123,7 +123,29 @@ def test_off_switch_gives_the_einsum(monkeypatch):
             np.asarray(jax.jit(lambda x, w: F.contract(x, w, "oi", "kernel"))(x, w)),
             np.asarray(jax.jit(lambda x, w: F.contract(x, w, "oi", "right"))(x, w)),
         )
+        m = _tiny()  # the whole model: the kernel forms traced with the switch off = the einsum forms
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.cfg.vocab_size, (1, 5)), jnp.int32)
+
+        def run(cfg):  # a fresh function: nothing traced with the kernel on is reused
+            return np.asarray(jax.jit(lambda p, t: llama.logits(
+                p, cfg, llama.forward(p, cfg, t, llama.init_cache(cfg, 1, 16))[0]))(m.params, tokens))
+
+        np.testing.assert_array_equal(run(m.cfg.replace(forms=KERNEL)), run(m.cfg))
     finally:
         monkeypatch.delenv(kernels.ENV)
+        kernels.available.cache_clear()
+    assert kernels.available()
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    kernels.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="unavailable"):
+            assert not kernels.available()
+        assert not kernels.usable(_rand((5, 64), 0), _rand((48, 64), 1))
+    finally:
+        monkeypatch.undo()
         kernels.available.cache_clear()
     assert kernels.available()

@@ -94,7 +94,8 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> str:
     try:
         r = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True, timeout=300)
         if r.returncode:
-            return (r.stderr or r.stdout).strip().splitlines()[-1:][0] if (r.stderr or r.stdout) else "failed"
+            said = (r.stderr or r.stdout or "").strip().splitlines()
+            return said[-1] if said else f"exit status {r.returncode}"
         os.replace(tmp, out)
         return ""
     except (OSError, subprocess.SubprocessError) as e:
