@@ -149,3 +149,11 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
         monkeypatch.undo()
         kernels.available.cache_clear()
     assert kernels.available()
+
+
+def test_programs_lowered_for_accelerators_never_contain_the_call():
+    x, w = _rand((5, 64), 0), _rand((48, 64), 1)
+    f = jax.jit(lambda x, w: F.contract(x, w, "oi", "kernel"))
+    for platforms in (("cuda",), ("tpu",)):
+        text = f.trace(x, w).lower(lowering_platforms=platforms).as_text()
+        assert kernels.TARGET not in text and "dot_general" in text

@@ -14,6 +14,10 @@
 #include <memory>
 #include <thread>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -101,6 +105,14 @@ void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, 
   for (; n < n1; ++n) rows_block<1>(w + n * K, x, M, K, y + n, N, nullptr);
 }
 
+int64_t usable_cores() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 struct Work {
   const float* x;
   const float* w;
@@ -132,7 +144,10 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   work->M = M;
   work->K = K;
   work->N = N;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // XLA's pool has one thread per core normally, but one per fake device under
+  // --xla_force_host_platform_device_count (8 on 2 cores in the tests): never use more
+  // threads than the cores this process may run on.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), usable_cores()));
   // About 4 chunks per thread (load balance on a shared machine), each a multiple of 4 rows
   // and at least 64 KiB of W (so the scheduling cost stays small for the narrow matrices).
   const int64_t min_rows = std::max<int64_t>(4, ((16384 / std::max<int64_t>(K, 1)) + 3) & ~int64_t(3));
