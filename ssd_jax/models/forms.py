@@ -10,8 +10,11 @@ A :class:`Form` fixes, per matrix role:
   applied once at load (the loader transposes the tensor before placing it: one copy);
 * ``orders``: per row bucket (decode M = 1, verify M <= 16, prefill M > 16) whether the
   activations (``"right"``: ``x @ W``) or the weight (``"left"``: ``(W @ x^T)^T``) come
-  first in the dot. The bucket is known at trace time (static shapes), so each compiled
-  program has one dot per matrix.
+  first in the dot, or (``"kernel"``, layout ``oi`` only) whether the project's own CPU kernel
+  (``ssd_jax.models.kernels``, through the XLA FFI) computes it. The bucket is known at trace
+  time (static shapes), so each compiled program has one dot per matrix. The kernel is used
+  only where it can run (float32, at most ``kernels.MAX_ROWS`` rows, built and not disabled by
+  ``SSD_JAX_KERNELS=off``, arrays on one device); anywhere else "kernel" means ``"right"``.
 
 The default :class:`Forms` (everything ``oi``/``right``) is today's ``x @ W.T`` and is what
 accelerators use; on CPU the loader picks forms from the table measured by
@@ -29,7 +32,7 @@ from typing import Any
 import jax.numpy as jnp
 
 LAYOUTS = ("oi", "io")
-ORDERS = ("right", "left")
+ORDERS = ("right", "left", "kernel")
 #: upper bounds (inclusive) on the row count of the first two buckets: decode, verify; the rest is prefill
 BUCKETS = (1, 16)
 #: matrix roles; q/k/v/o/gate/up/down per layer, head = the output head (the embedding when tied)
@@ -55,6 +58,8 @@ class Form:
     def __post_init__(self):
         if self.layout not in LAYOUTS or len(self.orders) != 3 or any(o not in ORDERS for o in self.orders):
             raise ValueError(f"bad matmul form {self}")
+        if self.layout != "oi" and "kernel" in self.orders:
+            raise ValueError(f"the CPU kernel reads W stored (out, in): {self}")
 
     def order(self, rows: int) -> str:
         return self.orders[0 if rows <= BUCKETS[0] else 1 if rows <= BUCKETS[1] else 2]
@@ -98,6 +103,12 @@ def contract(
 ) -> jnp.ndarray:
     """``x @ W^T`` for ``x`` (..., I) and W stored per ``layout`` (2-D), in the given order."""
     ws = "oi" if layout == "oi" else "io"
+    if order == "kernel":
+        from ssd_jax.models import kernels
+
+        if preferred_element_type in (None, jnp.float32) and kernels.usable(x, w):
+            return kernels.rows_matmul(x, w)
+        order = "right"
     if order == "right":
         return jnp.einsum(f"...i,{ws}->...o", x, w, preferred_element_type=preferred_element_type)
     lead = x.shape[:-1]

@@ -1,0 +1,99 @@
+"""Per matrix: XLA's ``x @ W.T`` against the project's CPU kernel (``ssd_jax.models.kernels``) at
+M = 1 and M = 5 rows, on the SmolLM2-135M and Qwen2.5-0.5B shapes (float32).
+
+    python experiments/matmul_kernel.py --models smollm2-135m qwen-0.5b --reps 7
+
+As in ``experiments/matmul_forms.py``: L distinct copies of the matrix (about 300 MB in all,
+so the weights stream from memory, not from the 260 MB L3 of this VM) are applied in one
+jitted call and the time is divided by L. The two implementations and both row counts
+alternate call by call (interleaved); cells are medians over ``--reps``. Appends one JSON line
+per run to ``experiments/results/matmul_kernel_cpu.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, not an installed one
+
+MODELS = {  # d, f, v, q out, kv out
+    "smollm2-135m": (576, 1536, 49152, 576, 192),
+    "qwen-0.5b": (896, 4864, 151936, 896, 128),
+}
+TOTAL_BYTES = 300e6
+
+
+def shapes(model: str) -> dict[str, tuple[int, int]]:
+    d, f, v, q, kv = MODELS[model]
+    return {"q/o": (q, d), "k/v": (kv, d), "gate/up": (f, d), "down": (d, f), "lm_head": (v, d)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="row counts (1 and 5 give the ratios)")
+    ap.add_argument("--roles", nargs="+", help="only these roles (q/o, k/v, gate/up, down, lm_head)")
+    a = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ssd_jax.models import kernels
+
+    assert kernels.available(), "the kernel did not build"
+    impls = {"xla": lambda x, w: x @ w.T, "kernel": kernels.rows_matmul}
+    rows = tuple(a.rows)
+    rng = np.random.default_rng(0)
+    out = []
+    for model in a.models:
+        for role, (n, k) in shapes(model).items():
+            if a.roles and role not in a.roles:
+                continue
+            L = int(max(1, min(256, TOTAL_BYTES // (n * k * 4))))
+            ws = [jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)) for _ in range(L)]
+            xs = {m: jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)) for m in rows}
+            fns = {}
+            for name, mm in impls.items():
+                def run(x, ws, mm=mm):  # separate outputs: a sum would let XLA fuse its M = 1 dots badly
+                    return [mm(x, w) for w in ws]
+                fns[name] = jax.jit(run)
+            for f in fns.values():
+                for x in xs.values():
+                    jax.block_until_ready(f(x, ws))
+            t = {(name, m): [] for name in fns for m in rows}
+            load0 = os.getloadavg()[0]
+            for _ in range(a.reps):
+                for m, x in xs.items():
+                    for name, f in fns.items():
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(f(x, ws))
+                        t[(name, m)].append((time.perf_counter() - t0) / L)
+            med = {f"{name} M={m}": float(np.median(v)) for (name, m), v in t.items()}
+            row = {"model": model, "role": role, "shape": [n, k], "copies": L, "median_s": med,
+                   "load": [load0, os.getloadavg()[0]]}
+            out.append(row)
+            ratios = ""
+            if {1, 5} <= set(rows):
+                e1 = med["xla M=1"]
+                ratios = (f" | xla5/xla1 {med['xla M=5'] / e1:.2f}  kernel5/xla1 {med['kernel M=5'] / e1:.2f}"
+                          f"  kernel5/kernel1 {med['kernel M=5'] / med['kernel M=1']:.2f}"
+                          f"  kernel1/xla1 {med['kernel M=1'] / e1:.2f}")
+            print(f"{model} {role} {n}x{k} (L={L}, load {load0:.2f}->{row['load'][1]:.2f}): "
+                  + "  ".join(f"{c} {v * 1e3:.3f} ms" for c, v in med.items()) + ratios, flush=True)
+            del ws
+    rec = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jax": jax.__version__,
+           "reps": a.reps, "row_counts": list(rows), "rows": out}
+    with open(ROOT / "experiments" / "results" / "matmul_kernel_cpu.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
