@@ -111,6 +111,7 @@ def _opts(draft, k, m, greedy=True):
                         needs_filter=False, greedy=greedy, c=1.0, tree_base=64)
 
 
+@pytest.mark.slow  # 40 s; the greedy-equality and exactness tests cover the cache end to end
 def test_cached_speculation_equals_direct_drafting():
     """Every branch's tokens and distributions equal drafting from that outcome directly (T = 1)."""
     draft = tiny_model(5, vocab=32, layers=2)
