@@ -13,6 +13,7 @@ calls on a timeline, for stage times and the overlap.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -68,8 +69,15 @@ def _intersection(x, y) -> float:
 def _layout_table(est, K: int, M: int, uniform: bool):
     """Fan-out schedules and branch layouts for every row state (see :class:`.rounds.Control`)."""
     sched = np.stack([est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)])
-    kb, rb = fo.branch_layout(sched, M)
-    return sched, kb, rb
+    sched = sched.astype(np.int64)
+    return (sched, *_branch_layouts(sched.tobytes(), sched.shape, M))
+
+
+
+@functools.lru_cache(maxsize=64)
+def _branch_layouts(sched_bytes: bytes, shape: tuple, M: int):
+    """Branch layouts of a schedule table, cached: the schedules change rarely between rounds."""
+    return fo.branch_layout(np.frombuffer(sched_bytes, np.int64).reshape(shape), M)
 
 
 
