@@ -141,6 +141,8 @@ class EngineRunner:
                 "decode_tok_s": m["decode_tokens_per_s"], "e2e_tok_s": m["tokens_per_s"],
                 "compile_s": m.get("compile_s"), "acceptance_rate": m.get("acceptance_rate"),
                 "tokens_per_round": m.get("mean_acceptance_length"), "rounds": m.get("verify_steps"),
+                "k": m.get("k"), "cache_hit_rate": m.get("cache_hit_rate"), "tau_hit": m.get("tau_hit"),
+                "tau_miss": m.get("tau_miss"), "round_s": m.get("round_s"),
                 "token_ids": [o["token_ids"] for o in res.outputs]}
 
 
@@ -291,7 +293,7 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
                          if base in cells[k] and v[f] > 0 and cells[k][base][f] > 0]
                 s[f + "_vs_base"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
                 s[f + "_pairs"] = len(pairs)
-            for f in ("acceptance_rate", "tokens_per_round", "ttft_s"):
+            for f in ("acceptance_rate", "tokens_per_round", "ttft_s", "k", "cache_hit_rate"):
                 vals = [v[f] for _, v in mine if v.get(f) is not None]
                 s[f] = sum(vals) / len(vals) if vals else None
             same = [v["tokens_sha"] == cells[k]["ar"].get("tokens_sha") for k, v in mine
@@ -332,19 +334,23 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
               f"to {base}, 95% t-interval on the log ratios across prompts. decode = tokens after the first / time after "
               "the first token; e2e = all tokens / wall time (prefill included).", "",
               f"| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs {base} [95% CI] "
-              f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | acceptance | tokens/round | decode / AR roofline "
+              f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | K | acceptance | tokens/round | SSD cache hits "
+              "| decode / AR roofline "
               "| same tokens as AR | load avg | timed runs that compiled |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     roof = e.get("roofline_ar_tok_s_per_row")
     for s in summarize(rows, base):
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
         frac = f"{s['decode_tok_s'][0] / (roof * s['batch_size']):.0%}" if roof else "-"
         lines.append(f"| {s['batch_size']} | {s['category']} | {s['method']} | {s['prompts']} x {s['repeats']} "
                      f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} | {_ci(s['e2e_tok_s'])} "
-                     f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['acceptance_rate'])} | {f(s['tokens_per_round'])} "
+                     f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['k'], 1)} | {f(s['acceptance_rate'])} "
+                     f"| {f(s['tokens_per_round'])} | {f(s['cache_hit_rate'])} "
                      f"| {frac} | {f(s['same_tokens_as_ar'])} | {s['loadavg']:.2f} | {s['compiled_in_timed_runs']} |")
     lines += ["", "decode / AR roofline: decode tok/s over the AR bandwidth ceiling (measured read bandwidth / weight "
-              "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%."]
+              "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%. K: the mean "
+              "speculation length over runs (with K auto, the measured choice); SSD cache hits: the share of rounds "
+              "whose speculation came from the cache."]
     return "\n".join(lines) + "\n"
 
 
