@@ -200,6 +200,7 @@ def tiny_llama_draft_path(tmp_path_factory, tiny_llama_path):
     return str(path)
 
 
+@pytest.mark.slow  # 20-30 s; seeded SSD reproducibility per backup is in test_exactness
 def test_seeded_sampled_ssd_auto_is_reproducible_from_the_cli(tiny_llama_path, tiny_llama_draft_path):
     args = ["--target", tiny_llama_path, "--draft", tiny_llama_draft_path, "--method", "ssd", "--backup", "auto",
             "--temperature", "1", "--seed", "3", "--n", "6", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8",

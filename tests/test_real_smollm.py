@@ -75,7 +75,7 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-@pytest.mark.parametrize("drafter", ["tiny", "ngram", "shipped", "shipped-vocab2048"])
+@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), "ngram", "shipped", "shipped-vocab2048"])
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
     or the trained draft shipped in checkpoints/ (the default draft of this target), also with its

@@ -37,6 +37,7 @@ def test_bad_configs(tmp_path):
         sweep.read_config(bad)
 
 
+@pytest.mark.slow  # 25-40 s; the sweep is an experiment tool, its pieces are tested above
 def test_sweep_runs_resumes_and_reports(tiny_llama_path, tmp_path, monkeypatch):
     # a tiny random model as target and draft; prompts are real text, so give it a tokenizer-free path:
     # the sweep's prompts are replaced by token-id prompts
