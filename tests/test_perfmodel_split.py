@@ -127,3 +127,18 @@ def test_error_summary_max_and_mean():
     assert s[("out", "ssd")]["predicted"] == 0 and s[("out", "ssd")]["max_abs_err"] is None
     assert s[("out", "all")]["cells"] == 3 and s[("out", "all")]["max_abs_err"] == pytest.approx(0.5)
     assert math.isclose(s[("in", "all")]["mean_abs_err"], 0.2)
+
+
+def test_cli_validate_split_and_update_doc(tmp_path, monkeypatch, capsys):
+    from ssd_jax.cli import perfmodel as cli
+
+    _two_files(tmp_path, heldout_ar=30.0)
+    split = _split(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--validate-split", str(split)]) == 0
+    assert "### Error summary" in capsys.readouterr().out
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- perfmodel:split -->\nold\n<!-- /perfmodel:split -->\nend\n")
+    assert cli.main(["--update-doc", str(doc), "--validate-split", str(split)]) == 0
+    text = doc.read_text()
+    assert "old" not in text and "| out | batch > 1 |" in text and text.endswith("end\n")
