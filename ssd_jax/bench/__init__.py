@@ -7,6 +7,8 @@
 * :mod:`ssd_jax.bench.protocol`: the benchmark protocol behind every speed claim (methods
   interleaved per prompt, repeats, resumable JSONL, ratios to AR with 95% intervals), with
   its statistics in :mod:`ssd_jax.bench.stats`.
+* :mod:`ssd_jax.bench.perfsplit`: the performance model validated on a declared split of these
+  results (protocol cells with their 95% intervals; ``python -m ssd_jax.perfmodel --validate-split``).
 * :mod:`ssd_jax.bench.common`: what they share (environment record, draft loading).
 
 The top of the package's layers: it may import anything below it (decoding, loading, data,

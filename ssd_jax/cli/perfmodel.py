@@ -15,6 +15,7 @@ from typing import Any
 
 from ssd_jax.analysis import perfmodel as pm
 from ssd_jax.analysis.perfmodel import HARDWARE
+from ssd_jax.bench import perfsplit
 from ssd_jax.cli.args import Parser
 
 
@@ -22,6 +23,9 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m ssd_jax.perfmodel", description=pm.__doc__.split("\n")[0])
     p.add_argument("--validate", nargs="+", metavar="RESULTS_JSON",
                    help="calibrate on this CPU's results and compare predictions with the measurements")
+    p.add_argument("--validate-split", metavar="SPLIT_JSON",
+                   help="fit on the cells a split file declares (e.g. experiments/perf_split.json), predict the "
+                        "held-out ones, quote max and mean errors in- and out-of-sample")
     p.add_argument("--predict", nargs="+", choices=["paper", "qwen-h200"], default=[])
     p.add_argument("--hardware", help="the base hardware of --validate / --calibrate-forward and the hardware of "
                    "--predict (" + ", ".join(HARDWARE) + ")")
@@ -49,6 +53,10 @@ def main(argv=None) -> int:
         doc["measure"] = pm.measure_forward(a.measure, dtype=a.dtype, out=a.out)
     if a.update_doc:
         pm.update_doc(a.update_doc, a.validate or [])
+        if a.validate_split and not perfsplit.update_block(
+                a.update_doc, perfsplit.render_split(perfsplit.validate_split(a.validate_split)), "split"):
+            print(f"{a.update_doc} has no <!-- perfmodel:split --> block", file=sys.stderr)
+            return 1
         print(f"updated {a.update_doc}", file=sys.stderr)
         return 0
     hw_override = pm.get_hardware(a.hardware) if a.hardware else None
@@ -56,6 +64,10 @@ def main(argv=None) -> int:
         v = pm.validate(a.validate, hw_override)
         doc["validation"] = v
         md.append(pm.render_validation(v))
+    if a.validate_split:
+        v = perfsplit.validate_split(a.validate_split, hw_override)
+        doc["validation_split"] = v
+        md.append(perfsplit.render_split(v))
     if a.calibrate_forward:
         hw_override, rep = pm.calibrate_forward(a.calibrate_forward, hw_override or HARDWARE["h200"])
         doc["forward_fit"] = {"hardware": dataclasses.asdict(hw_override), **rep}
@@ -76,7 +88,7 @@ def main(argv=None) -> int:
             d = pm.predict_qwen(hw_override or HARDWARE["h200"], results=results, batch=a.batch)
             doc["qwen_h200"] = d
             md.append(pm.render_qwen(d))
-    if not (a.validate or a.predict or a.measure or a.calibrate_forward or a.show_hardware):
+    if not (a.validate or a.validate_split or a.predict or a.measure or a.calibrate_forward or a.show_hardware):
         p.print_help()
         return 0
     if a.json:
