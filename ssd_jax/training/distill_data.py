@@ -52,7 +52,7 @@ MANIFEST = "manifest.json"
 FORMAT = "ssd_jax.distill"
 FORMAT_VERSION = 1
 _SCORE_CHUNK = 64  # positions per head application in the teacher-forced pass
-_PAD_TO = 64
+_PAD_TO = 64  # the smallest padded length of the teacher-forced pass (a multiple of the chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +222,9 @@ def topk_scorer(cfg, k: int):
 def score_sequences(target, seqs: list[list[int]], prompt_lens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k (log-probs, ids) of the target for every generated position of ``seqs``, stacked in
     sequence order: rows ``(sum of continuation lengths, k)``."""
-    T = -(-max(len(s) for s in seqs) // _PAD_TO) * _PAD_TO
+    T = _PAD_TO  # powers of two from the chunk size: a handful of compiled shapes
+    while T < max(len(s) for s in seqs):
+        T *= 2
     tok = np.zeros((len(seqs), T), np.int32)
     for i, s in enumerate(seqs):
         tok[i, : len(s)] = s
