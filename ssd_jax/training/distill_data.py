@@ -11,8 +11,8 @@
    up to ``max_new_tokens``, stopping at EOS, which is kept). The seed of each batch is a pure
    function of (recipe seed, temperature index, shard, batch), so a regenerated shard is the same.
 3. **Top-k.** One teacher-forced pass of the target over prompt + continuation (batched,
-   causal; the head applied in chunks of positions so the full ``B x T x V`` logits never exist
-   at once) gives, for every generated position, the ``top_k`` token ids and log-probabilities
+   causal; the head applied only at the generated positions, in chunks, so the full
+   ``B x T x V`` logits never exist at once) gives, for every generated position, the ``top_k`` token ids and log-probabilities
    of the target's distribution at temperature 1 (whatever temperature sampled the token). The
    stored log-probabilities are the real ones (not renormalised): ``1 - sum(exp)`` is the tail
    mass the training loss uses.
@@ -52,7 +52,7 @@ MANIFEST = "manifest.json"
 FORMAT = "ssd_jax.distill"
 FORMAT_VERSION = 1
 _SCORE_CHUNK = 64  # positions per head application in the teacher-forced pass
-_PAD_TO = 64  # the smallest padded length of the teacher-forced pass (a multiple of the chunk)
+_PAD_TO = 128  # the teacher-forced pass is padded to a multiple of this (a few compiled shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +193,9 @@ _SCORERS: dict[Any, Any] = {}
 
 
 def topk_scorer(cfg, k: int):
-    """Jitted ``(params, tokens_BxT) -> (logprobs_BxTxK, ids_BxTxK)``: the target's top-k at each
-    position (the distribution of the NEXT token), T a multiple of the chunk size."""
+    """Jitted ``(params, tokens_BxT, pos_BxM) -> (logprobs_BxMxK, ids_BxMxK)``: the target's top-k
+    of the NEXT token at positions ``pos`` (the head runs on those rows only, M a multiple of the
+    chunk size)."""
     key = (cfg, k)
     if key in _SCORERS:
         return _SCORERS[key]
@@ -203,37 +204,44 @@ def topk_scorer(cfg, k: int):
 
     from ssd_jax.models import llama
 
-    def score(params, tokens_BxT):
+    def score(params, tokens_BxT, pos_BxM):
         B, T = tokens_BxT.shape
+        M = pos_BxM.shape[1]
         hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T))
-        chunks = hidden_BxTxD.reshape(B, T // _SCORE_CHUNK, _SCORE_CHUNK, -1).swapaxes(0, 1)
+        h_BxMxD = jnp.take_along_axis(hidden_BxTxD, pos_BxM[..., None], axis=1)
+        chunks = h_BxMxD.reshape(B, M // _SCORE_CHUNK, _SCORE_CHUNK, -1).swapaxes(0, 1)
 
         def head(h_BxCxD):
             lp = jax.nn.log_softmax(llama.logits(params, cfg, h_BxCxD).astype(jnp.float32), axis=-1)
             return jax.lax.top_k(lp, k)
 
         lp, ids = jax.lax.map(head, chunks)
-        return lp.swapaxes(0, 1).reshape(B, T, k), ids.swapaxes(0, 1).reshape(B, T, k).astype(jnp.int32)
+        return lp.swapaxes(0, 1).reshape(B, M, k), ids.swapaxes(0, 1).reshape(B, M, k).astype(jnp.int32)
 
     _SCORERS[key] = jax.jit(score)
     return _SCORERS[key]
 
 
+def _pad(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
 def score_sequences(target, seqs: list[list[int]], prompt_lens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k (log-probs, ids) of the target for every generated position of ``seqs``, stacked in
-    sequence order: rows ``(sum of continuation lengths, k)``."""
-    T = _PAD_TO  # powers of two from the chunk size: a handful of compiled shapes
-    while T < max(len(s) for s in seqs):
-        T *= 2
+    sequence order: rows ``(sum of continuation lengths, k)``. One causal pass over the batch
+    (padded to a multiple of ``_PAD_TO`` tokens); the head only on the generated positions."""
+    T = _pad(max(len(s) for s in seqs), _PAD_TO)
+    gens = [len(s) - p for s, p in zip(seqs, prompt_lens)]
+    M = _pad(max(gens), _SCORE_CHUNK)
     tok = np.zeros((len(seqs), T), np.int32)
-    for i, s in enumerate(seqs):
-        tok[i, : len(s)] = s
-    lp, ids = topk_scorer(target.cfg, k)(target.params, tok)
-    lp, ids = np.asarray(lp), np.asarray(ids)
-    out_lp, out_ids = [], []
+    pos = np.zeros((len(seqs), M), np.int32)
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        out_lp.append(lp[i, p - 1 : len(s) - 1])  # position j-1 predicts token j
-        out_ids.append(ids[i, p - 1 : len(s) - 1])
+        tok[i, : len(s)] = s
+        pos[i, : len(s) - p] = np.arange(p - 1, len(s) - 1)  # position j-1 predicts token j
+    lp, ids = topk_scorer(target.cfg, k)(target.params, tok, pos)
+    lp, ids = np.asarray(lp), np.asarray(ids)
+    out_lp = [lp[i, :g] for i, g in enumerate(gens)]
+    out_ids = [ids[i, :g] for i, g in enumerate(gens)]
     return np.concatenate(out_lp).astype(np.float32), np.concatenate(out_ids).astype(np.int32)
 
 
@@ -319,25 +327,29 @@ def build_distill_data(
             p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
             seqs, plens, finish = [], [], []
             lps, tids = [], []
+            timing = {"gen_s": 0.0, "score_s": 0.0, "gen_tokens": 0}
             for b in range(0, len(p_ids), B):
                 batch = p_ids[b : b + B]
                 sp = SamplingParams(temperature=float(temp), max_new_tokens=recipe.max_new_tokens,
                                     seed=int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1))
                 t0 = time.perf_counter()
                 res = generate(target, batch, sp)
-                stats["gen_s"] += time.perf_counter() - t0
+                timing["gen_s"] += time.perf_counter() - t0
                 bs = [list(p) + list(o["token_ids"]) for p, o in zip(batch, res.outputs)]
                 t0 = time.perf_counter()
                 lp, tid = score_sequences(target, bs, [len(p) for p in batch], recipe.top_k)
-                stats["score_s"] += time.perf_counter() - t0
+                timing["score_s"] += time.perf_counter() - t0
+                timing["gen_tokens"] += sum(len(o["token_ids"]) for o in res.outputs)
                 seqs += bs
                 plens += [len(p) for p in batch]
                 finish += [o["finish_reason"] for o in res.outputs]
                 lps.append(lp)
                 tids.append(tid)
-                stats["gen_tokens"] += sum(len(o["token_ids"]) for o in res.outputs)
-                bar.set_postfix_str(f"{stats['gen_tokens'] / max(stats['gen_s'] + stats['score_s'], 1e-9):,.0f} tok/s",
+                done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s", "score_s")}
+                bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'] + done['score_s'], 1e-9):,.0f} tok/s",
                                     refresh=False)
+            for k in ("gen_tokens", "gen_s", "score_s"):
+                stats[k] += timing[k]
             arrays = {
                 "tokens": np.concatenate([np.asarray(q, np.int32) for q in seqs]),
                 "offsets": np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
@@ -346,7 +358,7 @@ def build_distill_data(
                 "topk_logprobs": np.concatenate(lps),
             }
             meta = {"key": key_sha, "temperature": float(temp), "shard": s, "prompt_ids": shard_ids,
-                    "finish_reasons": finish}
+                    "finish_reasons": finish, "timing": timing}  # timing includes any compilation
             write_atomic(out / name, shard_bytes(arrays, meta))
             stats["shards_written"] += 1
             bar.update(1)
