@@ -95,6 +95,10 @@ def train(
         if corpus is None:
             corpus = build_corpus(dataclasses.replace(args, data="corpus", steps=1), target.tokenizer)
         corpus.info = {**corpus.info, "data": args.data, "train": distill.info}
+        n_long = int((np.diff(distill.offsets) > args.seq_len + 1).sum())
+        if n_long:
+            log(f"{n_long} of {distill.n} distillation sequences are longer than --seq-len + 1 = {args.seq_len + 1}: "
+                f"their prompts lose their start (the target saw the whole prompt)")
     corpus = corpus or build_corpus(args, target.tokenizer)
     shared = shared_names(tcfg)
     frozen = {
