@@ -323,3 +323,14 @@ def test_training_prompts_never_meet_benchmark_prompts():
             assert not texts & {r["prompt"].strip() for r in bench}, cat
     assert {r["source"] for r in train[:8]} == {"humaneval", "mtbench", "sharegpt", "champ"}
     assert training_prompts(n=20) == train[:20]
+
+
+@pytest.mark.realmodel
+def test_shipped_draft_loads_by_name_from_another_directory(tmp_path, monkeypatch):
+    from ssd_jax.drafters import default_draft
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(dfmt.CHECKPOINTS_ENV, raising=False)
+    assert default_draft("smollm2-135m-instruct") == "smollm2-135m-draft"
+    d = load_model("smollm2-135m-draft")
+    assert d.cfg.num_layers == 3 and d.tokenizer is not None
