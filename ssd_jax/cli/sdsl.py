@@ -50,10 +50,10 @@ def _config_of(name_or_path: str):
         from ssd_jax.loading import load_numpy
 
         return load_numpy(key).cfg
-    p = Path(key).expanduser()
-    if p.is_dir():
-        from ssd_jax.loading import draft as draft_ckpt
+    from ssd_jax.loading import draft as draft_ckpt
 
+    p = draft_ckpt.resolve_draft(key) or Path(key).expanduser()  # a shipped draft by name, or a path
+    if p.is_dir():
         if draft_ckpt.is_draft_dir(p):  # a trained draft (python -m ssd_jax.train)
             return draft_ckpt.draft_config(draft_ckpt.read_meta(p))
         if store.is_converted_dir(p):

@@ -1,4 +1,9 @@
-"""``python -m ssd_jax.train``: train an SDSL-sized draft for a target (:mod:`ssd_jax.training`)."""
+"""``python -m ssd_jax.train``: train an SDSL-sized draft for a target (:mod:`ssd_jax.training`).
+
+``python -m ssd_jax.train distill-data --target NAME --out DIR``: generate the self-distillation
+data (the target's continuations of training prompts with its top-k log-probabilities,
+:mod:`ssd_jax.training.distill_data`); then ``python -m ssd_jax.train --loss distill --data DIR``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ from pathlib import Path
 from ssd_jax.cli.args import Parser
 from ssd_jax.errors import cli_main
 from ssd_jax.loading import draft as dfmt
-from ssd_jax.training.args import LOSSES, TrainArgs
+from ssd_jax.training.args import LOSSES, TAILS, TrainArgs
+from ssd_jax.training.distill_data import DistillRecipe, build_distill_data
 from ssd_jax.training.loop import train
 
 
@@ -27,14 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps, at most 100)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
-    p.add_argument("--loss", choices=LOSSES, default=d.loss, help="ce, kl (distillation from the target) or mix")
+    p.add_argument("--loss", choices=LOSSES, default=d.loss, help="ce, kl (distillation from the target computed on "
+                   "the fly), mix, or distill (stored target top-k: --data DIR from 'distill-data')")
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="distill: loss = (1-W) KL + W CE")
+    p.add_argument("--distill-tail", choices=TAILS, default=d.distill_tail, help="distill: the target's mass off its "
+                   "top-k as one extra outcome (bucket) or the top-k renormalised (renorm)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="distill: train the head trimmed to the "
+                   "N most frequent tokens, as --draft-vocab N decodes with it")
     p.add_argument("--seed", type=int, default=d.seed, help="data order seed")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per evaluation")
     p.add_argument("--save-every", type=int, default=None, help="steps between saves (default: each evaluation)")
     p.add_argument("--keep", type=int, default=d.keep, help="training states kept")
     p.add_argument("--init-layers", default=d.init_layers, help="spread, first, none or target layer indices (0,15,29)")
-    p.add_argument("--data", default=d.data, help="'corpus' (shipped prompt sets) or a .txt/.jsonl file")
+    p.add_argument("--data", default=d.data, help="'corpus' (shipped prompt sets), a .txt/.jsonl file, or a "
+                   "distill-data directory (--loss distill)")
     p.add_argument("--out", default=None, help="output directory (default checkpoints/<target>-draft)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -47,7 +60,8 @@ def run_cli(argv=None) -> int:
         target=a.target, size=a.size, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
         warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip, loss=a.loss, seed=a.seed,
         eval_every=a.eval_every, eval_windows=a.eval_windows, save_every=a.save_every, keep=a.keep,
-        init_layers=a.init_layers, data=a.data, out=a.out, resume=a.resume,
+        init_layers=a.init_layers, data=a.data, out=a.out, resume=a.resume, ce_weight=a.ce_weight,
+        distill_tail=a.distill_tail, draft_vocab=a.draft_vocab,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -70,7 +84,51 @@ def run_cli(argv=None) -> int:
     return 0
 
 
+def build_data_parser() -> argparse.ArgumentParser:
+    d = DistillRecipe(target="")
+    p = Parser(prog="python -m ssd_jax.train distill-data",
+               description="Generate self-distillation data: the target's answers to training prompts and its top-k "
+                           "log-probabilities at every generated position (resumable shards).")
+    p.add_argument("--target", required=True, help="registry name, .gguf file, HF or converted directory")
+    p.add_argument("--out", required=True, help="data directory (rerun with the same recipe to resume)")
+    p.add_argument("--n-prompts", type=int, default=d.n_prompts, help="training prompts (never benchmark prompts)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=list(d.temperatures), help="one answer per "
+                   "prompt at each (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="target tokens stored per generated position")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="prompts are cut to this")
+    p.add_argument("--sources", nargs="+", default=list(d.sources), help="prompt sources")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompt order and sampling seed")
+    p.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="generation and scoring batch")
+    p.add_argument("--shard-prompts", type=int, default=d.shard_prompts, help="prompts per shard file")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def run_data_cli(argv) -> int:
+    a = build_data_parser().parse_args(argv)
+    recipe = DistillRecipe(
+        target=a.target, n_prompts=a.n_prompts, temperatures=tuple(a.temperatures), top_k=a.top_k,
+        max_new_tokens=a.max_new_tokens, max_prompt_tokens=a.max_prompt_tokens, sources=tuple(a.sources),
+        seed=a.seed, chat=not a.no_chat, batch_size=a.batch_size, shard_prompts=a.shard_prompts,
+    )
+    s = build_distill_data(recipe, a.out)
+    if a.json:
+        print(json.dumps(s))
+        return 0
+    print(f"distillation data in {s['out']}: {s['shards']} shards ({s['shards_kept']} kept, {s['shards_written']} "
+          f"written); train with --loss distill --data {s['out']}")
+    if s["tokens_per_s"]:
+        print(f"speed: {s['gen_tokens']:,} generated tokens, {s['tokens_per_s']:,.1f} tok/s with scoring "
+              f"({s['gen_tokens_per_s']:,.1f} tok/s generation alone)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["distill-data"]:
+        return cli_main(run_data_cli, argv[1:])
     return cli_main(run_cli, argv)
 
 

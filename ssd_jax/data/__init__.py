@@ -26,7 +26,8 @@ Project categories (:data:`CATEGORIES`):
 Main entry points: :func:`load_prompts` (a category, optionally a seeded balanced sample),
 :func:`load_source` (one source, file order), :func:`copy_task_prompts` (prompts whose
 answer mostly copies the prompt, where an n-gram drafter shines), :func:`training_texts`
-(plain texts with a stable ~5 % held-out split) and :func:`sharegpt_conversations`.
+(plain texts with a stable ~5 % held-out split), :func:`sharegpt_conversations` and
+:func:`training_prompts` (training-split prompts that no benchmark uses, for self-distillation).
 Every prompt record is a dict with ``id``, ``source``, ``category``, ``subcategory``
 (``None`` where the source has none) and ``prompt``.
 
@@ -49,24 +50,29 @@ from ssd_jax.data.packages import (
     package_dir,
 )
 from ssd_jax.data.prompts import (
+    BENCH_RESERVE,
     CATEGORIES,
     COPY_TEMPLATES,
     DEFAULT_MAX_PROMPT_CHARS,
     MTBENCH_CATEGORIES,
     copy_task_prompts,
     load_prompts,
+    benchmark_prompt_ids,
     load_source,
+    training_prompts,
     truncate_text,
 )
 from ssd_jax.data.sources import (
     HELDOUT_PER_MILLE,
     clear_cache,
     iter_json_array,
+    prompt_heldout,
     sharegpt_conversations,
     training_texts,
 )
 
 __all__ = [
+    "BENCH_RESERVE",
     "CATEGORIES",
     "COPY_TEMPLATES",
     "DEFAULT_MAX_PROMPT_CHARS",
@@ -82,7 +88,10 @@ __all__ = [
     "fetch_all",
     "iter_json_array",
     "load_prompts",
+    "benchmark_prompt_ids",
     "load_source",
+    "prompt_heldout",
+    "training_prompts",
     "package_dir",
     "sharegpt_conversations",
     "training_texts",

@@ -1,4 +1,5 @@
-"""Prompt sets: the three project categories (seeded, balanced samples) and prompt-copying tasks."""
+"""Prompt sets: the three project categories (seeded, balanced samples), prompt-copying tasks, and
+the training prompts (:func:`training_prompts`) that never overlap what benchmarks use."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 from collections.abc import Iterator
 
 from ssd_jax.data.packages import package_spec
-from ssd_jax.data.sources import champ_raw, humaneval_raw, mtbench_raw, sharegpt_first_turns
+from ssd_jax.data.sources import champ_raw, humaneval_raw, mtbench_raw, prompt_heldout, sharegpt_first_turns
 from ssd_jax.errors import UserError
 
 DEFAULT_MAX_PROMPT_CHARS = 2000
@@ -190,3 +191,50 @@ def copy_task_prompts(n: int | None = None, seed: int = 0) -> Iterator[dict]:
             num = p["task_id"].split("/")[-1]
             yield _record(f"copy/{num}/{name}", "humaneval", "copy", name, prompt)
             count += 1
+
+
+# --------------------------------------------------------------------------- training prompts
+
+#: prompts per category (seed 0, the benchmarks' seed) reserved for benchmarks and evaluation:
+#: benchmarks take the first n <= 64 of ``load_prompts(category, n)`` / ``copy_task_prompts(n)``
+BENCH_RESERVE = 64
+TRAINING_SOURCES = ("humaneval", "mtbench", "sharegpt", "champ")
+
+
+def benchmark_prompt_ids(reserve: int = BENCH_RESERVE) -> set[str]:
+    """Ids of every prompt a benchmark may use: the first ``reserve`` of each category's seed-0
+    sample, and the HumanEval problems behind the first ``reserve`` copy tasks (as ``humaneval/N``,
+    since a copy prompt contains that problem's prompt and solution)."""
+    ids = {r["id"] for c in CATEGORIES for r in load_prompts(c, n=reserve)}
+    ids |= {"humaneval/" + r["id"].split("/")[1] for r in copy_task_prompts(reserve)}
+    return ids
+
+
+def training_prompts(
+    sources: tuple[str, ...] = TRAINING_SOURCES,
+    n: int | None = None,
+    seed: int = 0,
+    reserve: int = BENCH_RESERVE,
+    max_chars: int | None = DEFAULT_MAX_PROMPT_CHARS,
+) -> list[dict]:
+    """Prompts for training on the target's own answers (self-distillation).
+
+    Only the training split (:func:`ssd_jax.data.prompt_heldout` false) and nothing a benchmark
+    may use (:func:`benchmark_prompt_ids`, matched by id and by prompt text). The sources are
+    taken in turn, each in a seeded order, so any prefix (``n``) stays balanced; the same
+    arguments always give the same list.
+    """
+    if n is not None and n < 0:
+        raise UserError(f"number of prompts must be >= 0, got {n}")
+    reserved = benchmark_prompt_ids(reserve)
+    reserved_text = {r["prompt"].strip() for c in CATEGORIES for r in load_prompts(c, n=reserve)}
+    pools = []
+    for src in sources:
+        pool = [
+            r for r in load_source(src, max_chars)
+            if r["id"] not in reserved and r["prompt"].strip() not in reserved_text and not prompt_heldout(r["id"])
+        ]
+        random.Random(f"ssd_jax.data/train-prompts/{seed}/{src}").shuffle(pool)
+        pools.append(pool)
+    out = _round_robin(pools)
+    return out if n is None else out[:n]

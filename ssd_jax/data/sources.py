@@ -179,6 +179,17 @@ def _sharegpt_group(orig_id: str) -> str:
     return "sharegpt/" + _CHUNK_SUFFIX.sub("", orig_id)  # all chunks of one chat on one side
 
 
+def prompt_heldout(prompt_id: str) -> bool:
+    """Whether a prompt record (``humaneval/N``, ``mtbench/N``, ``champ/ID``, ``sharegpt/UID``) is in
+    the held-out split of :func:`training_texts` (the same hash of its problem or conversation)."""
+    source, _, rest = str(prompt_id).partition("/")
+    if source == "sharegpt":
+        return _is_heldout(_sharegpt_group(rest.split("#", 1)[0]))
+    if source in ("humaneval", "mtbench", "champ"):
+        return _is_heldout(f"{source}/{rest}")
+    raise UserError(f"prompt id {prompt_id!r} names no known source")
+
+
 @functools.lru_cache(maxsize=1)
 def _training_items() -> tuple[tuple[str, str, bool, str], ...]:
     """(key, source, held out?, text) for every training text, in a hash-mixed stable order."""

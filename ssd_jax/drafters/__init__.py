@@ -27,30 +27,25 @@ from ssd_jax.drafters.model import ModelDrafter
 from ssd_jax.drafters.ngram import NgramDrafter
 from ssd_jax.drafters.random import RandomDrafter
 
-#: target registry name -> the draft used when --draft is not given (paths are relative to the repo)
+#: target registry name -> the draft used when --draft is not given (a registry name or a shipped draft name)
 DEFAULT_DRAFTS = {
     "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct",
-    "smollm2-135m-instruct": "checkpoints/smollm2-135m-draft",
+    "smollm2-135m-instruct": "smollm2-135m-draft",
 }
 
 
-
 def default_draft(target: str) -> str:
-    """The default draft for a target name (a registry name, or a shipped checkpoint directory)."""
-    from pathlib import Path
-
+    """The default draft for a target name: a registry name, or a draft shipped in ``checkpoints/``
+    (loadable by name from any working directory, ``ssd_jax.loading.draft.resolve_draft``)."""
     from ssd_jax.errors import UserError
+    from ssd_jax.loading.draft import SHIPPED_DRAFTS, resolve_draft
 
     d = DEFAULT_DRAFTS.get(str(target))
     if d is None:
         raise UserError(f"no default draft for {target}; pass --draft NAME_OR_PATH (or ngram)")
-    if d.startswith("checkpoints/"):
-        path = Path(__file__).resolve().parents[2] / d  # the repository root
-        if not path.exists():
-            raise UserError(f"the default draft for {target} ({d}) is not in this checkout; pass --draft")
-        return str(path)
+    if d in SHIPPED_DRAFTS:
+        resolve_draft(d)  # a one-line error now if this install lacks checkpoints/
     return d
-
 
 
 def make_drafter(spec, target, sampling, load) -> Any:

@@ -141,11 +141,12 @@ def write_counts(path: str | os.PathLike, counts: np.ndarray, meta: dict[str, An
 
 def counts_path(source: Any, tokenizer) -> Path:
     """Where a draft's counts live: next to a trained draft (if writable), else in the cache."""
-    from ssd_jax.loading.draft import is_draft_dir
+    from ssd_jax.loading.draft import resolve_draft
     from ssd_jax.loading.registry import cache_root
 
-    if isinstance(source, (str, os.PathLike)) and is_draft_dir(source) and os.access(source, os.W_OK):
-        return Path(source) / COUNTS_FILE
+    d = resolve_draft(source) if isinstance(source, (str, os.PathLike)) else None
+    if d is not None and os.access(d, os.W_OK):
+        return d / COUNTS_FILE
     return cache_root() / "vocab" / f"{tokenizer.fingerprint()[:16]}-{CORPUS_TAG}.npz"
 
 

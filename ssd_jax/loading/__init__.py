@@ -20,7 +20,7 @@ import numpy as np
 
 from ssd_jax.errors import UserError
 from ssd_jax.loading import registry
-from ssd_jax.loading.draft import is_draft_dir, open_draft
+from ssd_jax.loading.draft import SHIPPED_DRAFTS, is_draft_dir, open_draft, resolve_draft
 from ssd_jax.loading.loaded import LoadedModel, NumpyModel
 from ssd_jax.loading.registry import REGISTRY, cache_root, converted_path
 from ssd_jax.loading.store import (
@@ -57,7 +57,8 @@ def _warn(msg: str) -> None:
 
 def _unknown(name: str) -> UserError:
     return UserError(
-        f"unknown model {name!r}: not a registered name ({', '.join(REGISTRY)}) nor an existing path"
+        f"unknown model {name!r}: not a registered name ({', '.join(REGISTRY)}), a shipped draft "
+        f"({', '.join(SHIPPED_DRAFTS)}) nor an existing path"
     )
 
 
@@ -163,6 +164,9 @@ def _open(name_or_path: str | os.PathLike, dtype: str) -> tuple[NumpyModel, Iter
         m = _load_or_convert(sha, dtype, p.stem, lambda: p)
         m.source = str(p)
         return m, _cast(iter_converted(m.flat), dtype)
+    shipped = resolve_draft(key)  # a draft shipped in checkpoints/, by name
+    if shipped is not None:
+        return open_draft(shipped, dtype, _open)
     raise _unknown(key)
 
 

@@ -18,6 +18,13 @@ Layout of a training directory ``checkpoints/<name>/``::
       draft.json          the metadata of that step
       params/             orbax params-only checkpoint (trained tensors only)
 
+Shipped drafts load by name from any working directory (``--draft smollm2-135m-draft``): a
+name that is not a path is looked up as ``<root>/<name>/draft.json`` in ``$SSD_JAX_CHECKPOINTS``
+(if set), then in the ``checkpoints/`` folder beside the ``ssd_jax/`` package (the repository
+root of a source checkout or an editable install). A non-editable install has no such folder:
+a shipped name then fails with a one-line error that says where to point
+``SSD_JAX_CHECKPOINTS``.
+
 ``best/`` alone is a complete draft (ship it under 50 MB). A directory loads as a draft
 when it holds ``draft.json``: from ``params/`` if present, else from ``best/``, else from
 the newest complete step of ``state/`` (older steps are tried if the newest is damaged).
@@ -49,6 +56,46 @@ BEST_DIR = "best"
 
 # the tensors a draft can take from its target instead of storing them
 SHAREABLE = ("embed", "lm_head")
+
+#: drafts that ship in the repository's ``checkpoints/`` folder (named in errors when absent)
+SHIPPED_DRAFTS = ("smollm2-135m-draft",)
+CHECKPOINTS_ENV = "SSD_JAX_CHECKPOINTS"
+
+
+def checkpoint_roots() -> list[Path]:
+    """Folders searched for drafts given by name: ``$SSD_JAX_CHECKPOINTS``, then the repository's
+    ``checkpoints/`` (beside the ``ssd_jax`` package)."""
+    roots = []
+    env = os.environ.get(CHECKPOINTS_ENV)
+    if env:
+        roots.append(Path(env).expanduser())
+    roots.append(Path(__file__).resolve().parents[2] / "checkpoints")
+    return roots
+
+
+def resolve_draft(name_or_path: str | os.PathLike) -> Path | None:
+    """The directory of a trained draft given by path or by shipped name; None if it is neither.
+
+    An existing path wins over a name. A name of :data:`SHIPPED_DRAFTS` that is found in no root
+    is a :class:`UserError` (a non-editable install does not carry ``checkpoints/``).
+    """
+    key = str(name_or_path)
+    p = Path(key).expanduser()
+    if is_draft_dir(p):
+        return p
+    if p.exists() or not key or "/" in key or os.sep in key or key.startswith("."):
+        return None
+    roots = checkpoint_roots()
+    for root in roots:
+        if is_draft_dir(root / key):
+            return root / key
+    if key in SHIPPED_DRAFTS:
+        raise UserError(
+            f"shipped draft {key!r} not found (looked in {', '.join(str(r) for r in roots)}): it lives in the "
+            f"repository's checkpoints/ folder, which a non-editable install lacks; use an editable install "
+            f"(pip install -e REPO) or set {CHECKPOINTS_ENV}=REPO/checkpoints"
+        )
+    return None
 
 
 def is_draft_dir(path: str | os.PathLike) -> bool:

@@ -38,6 +38,14 @@ spans many of them). ``--data FILE`` uses a .txt (documents split on blank lines
 the stream in an order that is a pure function of (seed, step): window ``step·B + b`` comes
 from a per-epoch permutation seeded by (seed, epoch), so a resumed run sees the same data.
 
+Self-distillation (:mod:`ssd_jax.training.distill_data`, :mod:`ssd_jax.training.distill`):
+``python -m ssd_jax.train distill-data`` stores the target's own answers to training prompts
+(T = 0 and 1, batched generation by the engine) with its top-k log-probabilities at every
+generated position, in resumable atomic shards; ``--loss distill --data DIR`` then trains on
+them without running the target: KL to the stored top-k (the tail as one extra outcome, or the
+top-k renormalised: ``--distill-tail``), mixed with CE on the stored tokens by ``--ce-weight``,
+optionally through a head trimmed to ``--draft-vocab N`` tokens.
+
 Losses: ``ce`` next-token cross-entropy; ``kl`` forward KL(p_target || q_draft) at
 temperature 1 against the target's logits computed on the fly (distillation; minimising it
 raises the acceptance α = Σ min(p, q) = 1 − TV(p, q)); ``mix`` their mean. optax AdamW
@@ -61,13 +69,15 @@ Modules
 ``args`` (:class:`TrainArgs`, the run's settings), ``draft_model`` (sizing by SDSL and
 initialisation from the target), ``corpus`` (token streams and the data order), ``objective``
 (forward pass, losses, optimiser, jitted train / eval steps), ``checkpoint`` (the run
-directory: orbax states, log, best export), ``loop`` (:func:`train`). The CLI is
+directory: orbax states, log, best export), ``distill_data`` (the self-distillation data cache),
+``distill`` (its batches, loss and train step), ``loop`` (:func:`train`). The CLI is
 :mod:`ssd_jax.cli.train`. This package face re-exports the public names.
 """
 
 from ssd_jax.training.args import INIT_MODES, LOSSES, TrainArgs, eval_batch_count, parse_size
 from ssd_jax.training.checkpoint import RunDir, tensors_sha256
 from ssd_jax.training.corpus import Corpus, build_corpus, corpus_docs, eval_batches, token_stream, train_batch
+from ssd_jax.training.distill_data import DistillData, DistillRecipe, build_distill_data, load_distill_data
 from ssd_jax.training.draft_model import (
     init_layer_indices,
     init_trained,
@@ -90,9 +100,12 @@ __all__ = [
     "INIT_MODES",
     "LOSSES",
     "Corpus",
+    "DistillData",
+    "DistillRecipe",
     "RunDir",
     "TrainArgs",
     "build_corpus",
+    "build_distill_data",
     "causal_logits",
     "corpus_docs",
     "eval_batch_count",
@@ -101,6 +114,7 @@ __all__ = [
     "init_layer_indices",
     "init_trained",
     "layer_param_count",
+    "load_distill_data",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",

@@ -9,12 +9,14 @@ from pathlib import Path
 from ssd_jax.analysis import sdsl
 from ssd_jax.errors import UserError
 
-LOSSES = ("ce", "kl", "mix")
+LOSSES = ("ce", "kl", "mix", "distill")
+TAILS = ("bucket", "renorm")
 INIT_MODES = ("spread", "first", "none")
 
 # training arguments that must match when resuming (the others may change freely)
 RESUME_KEYS = (
     "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "loss", "seed", "init_layers", "data",
+    "ce_weight", "distill_tail", "draft_vocab",
 )
 
 
@@ -29,14 +31,21 @@ class TrainArgs:
       steps, batch_size, seq_len: optimisation steps, windows per step, tokens per window.
       lr, warmup, weight_decay, clip: AdamW peak learning rate, warmup steps (None: 10% of
         the steps, at most 100), decoupled weight decay, global-norm clip.
-      loss: "ce", "kl" or "mix".
+      loss: "ce", "kl", "mix" (the target's logits computed on the fly over ``data``) or "distill"
+        (stored target top-k from ``python -m ssd_jax.train distill-data``; ``data`` is its directory).
+      ce_weight: ``distill`` only: loss = (1 - W)·KL + W·CE on the stored tokens.
+      distill_tail: ``distill`` only: "bucket" (the target's mass off its top-k is one extra
+        outcome) or "renorm" (the top-k renormalised); :mod:`ssd_jax.training.distill`.
+      draft_vocab: ``distill`` only: train the head trimmed to the N most frequent tokens, as
+        ``--draft-vocab N`` will decode with it (None: the full head).
       seed: data order (and random init with ``init_layers="none"``).
       eval_every: evaluate (and save) every this many steps; 0 only at the end.
       eval_windows: held-out windows per evaluation (rounded up to whole batches).
       save_every: save the training state every this many steps (None: with each eval).
       keep: training states kept in ``state/``.
       init_layers: "spread", "first", "none" or comma-separated target layer indices.
-      data: "corpus" (the shipped prompt sets) or a .txt/.jsonl file.
+      data: "corpus" (the shipped prompt sets), a .txt/.jsonl file, or (``--loss distill``) a
+        distillation-data directory.
       out: output directory (None: ``checkpoints/<target>-draft``).
       resume: continue the run in ``out``.
       dtype: dtype the target is loaded in (the draft trains in float32; only float32 is tested).
@@ -62,6 +71,9 @@ class TrainArgs:
     out: str | None = None
     resume: bool = False
     dtype: str = "float32"
+    ce_weight: float = 0.0
+    distill_tail: str = "bucket"
+    draft_vocab: int | None = None
 
     def resolved(self) -> TrainArgs:
         warmup = self.warmup if self.warmup is not None else min(100, self.steps // 10)
@@ -87,6 +99,16 @@ class TrainArgs:
         if self.clip <= 0 or self.weight_decay < 0:
             raise UserError("--clip must be > 0 and --weight-decay >= 0")
         parse_size(self.size)
+        if not 0.0 <= self.ce_weight <= 1.0:
+            raise UserError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
+        if self.distill_tail not in TAILS:
+            raise UserError(f"--distill-tail must be one of {', '.join(TAILS)}, got {self.distill_tail!r}")
+        if self.loss != "distill" and (self.draft_vocab is not None or self.ce_weight):
+            raise UserError("--draft-vocab and --ce-weight apply to --loss distill only")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise UserError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
+        if self.loss == "distill" and not (Path(self.data) / "manifest.json").is_file():
+            raise UserError(f"--loss distill needs --data DIR made by 'python -m ssd_jax.train distill-data', got {self.data!r}")
 
 
 def _slug(name: str) -> str:
@@ -110,3 +132,7 @@ def parse_size(s: str | float) -> float | None:
 def eval_batch_count(args: TrainArgs) -> int:
     """Held-out batches per evaluation: ``eval_windows`` rounded up to whole batches."""
     return -(-args.eval_windows // args.batch_size)
+
+
+#: values a run's metadata implies for keys it predates (resuming such a run compares against these)
+RESUME_DEFAULTS = {"ce_weight": 0.0, "distill_tail": "bucket", "draft_vocab": None}

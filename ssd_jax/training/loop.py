@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import numpy as np
 from ssd_jax.errors import UserError
 from ssd_jax.loading import draft as dfmt
 from ssd_jax.models.params import count_params
-from ssd_jax.training.args import RESUME_KEYS, TrainArgs, eval_batch_count
+from ssd_jax.training.args import RESUME_DEFAULTS, RESUME_KEYS, TrainArgs, eval_batch_count
 from ssd_jax.training.checkpoint import RunDir, log, tensors_sha256
 from ssd_jax.training.corpus import Corpus, build_corpus, eval_batches, train_batch
 from ssd_jax.training.draft_model import (
@@ -38,13 +39,25 @@ def _resume_check(meta: dict[str, Any], new: dict[str, Any], path: Path) -> None
         diffs.append("draft config (--size)")
     old_args = meta.get("train", {}).get("args", {})
     for k in RESUME_KEYS:
-        if old_args.get(k) != new["train"]["args"][k]:
-            diffs.append(f"--{k.replace('_', '-')} ({old_args.get(k)} -> {new['train']['args'][k]})")
+        old_v = old_args.get(k, RESUME_DEFAULTS.get(k))
+        if old_v != new["train"]["args"][k]:
+            diffs.append(f"--{k.replace('_', '-')} ({old_v} -> {new['train']['args'][k]})")
     old_data = meta.get("train", {}).get("data", {}).get("train", {}).get("sha256")
     if not diffs and old_data and old_data != new["train"]["data"]["train"]["sha256"]:
         diffs.append("training data (the tokenized stream changed)")
     if diffs:
         raise UserError(f"cannot resume {path}: it was trained with a different {', '.join(diffs)}")
+
+
+def _head_mask(target, n: int, run_path: Path) -> np.ndarray:
+    """(V,) bool: the ids a ``--draft-vocab n`` head keeps, from counts stored in the run directory
+    (``token_counts.npz``, the file decoding reads next to the draft)."""
+    from ssd_jax.drafters.vocab import always_kept, draft_token_counts, kept_ids
+
+    counts = draft_token_counts(target, str(run_path))
+    mask = np.zeros((target.cfg.vocab_size,), bool)
+    mask[kept_ids(counts, n, always_kept(target.tokenizer))] = True
+    return mask
 
 
 def train(
@@ -74,6 +87,18 @@ def train(
     tcfg = target.cfg
     cfg, law = size_draft(tcfg, args.size)
     init_idx = init_layer_indices(args.init_layers, tcfg.num_layers, cfg.num_layers)
+    distill = None
+    if args.loss == "distill":  # stored target top-k; the held-out evaluation stays on the corpus
+        from ssd_jax.training.distill_data import load_distill_data
+
+        distill = load_distill_data(args.data, target.weights_sha256)
+        if corpus is None:
+            corpus = build_corpus(dataclasses.replace(args, data="corpus", steps=1), target.tokenizer)
+        corpus.info = {**corpus.info, "data": args.data, "train": distill.info}
+        n_long = int((np.diff(distill.offsets) > args.seq_len + 1).sum())
+        if n_long:
+            log(f"{n_long} of {distill.n} distillation sequences are longer than --seq-len + 1 = {args.seq_len + 1}: "
+                f"their prompts lose their start (the target saw the whole prompt)")
     corpus = corpus or build_corpus(args, target.tokenizer)
     shared = shared_names(tcfg)
     frozen = {
@@ -141,10 +166,21 @@ def train(
         f"for M = {law['M']:,}; per-token cost {pr['cost_ratio']:.2f}x the target's"
     )
 
-    train_step = make_train_step(cfg, tcfg, args.loss, opt)
     eval_fn = make_eval_step(cfg, tcfg)
     evb = eval_batches(corpus.heldout, eval_batch_count(args), args.batch_size, args.seq_len)
-    frozen_step = frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None}
+    if distill is not None:
+        from ssd_jax.training.distill import distill_batch, make_distill_step
+
+        if args.draft_vocab is not None:
+            frozen["head_mask"] = jax.device_put(_head_mask(target, args.draft_vocab, run.path), dev)
+            log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
+        train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
+        frozen_step = {k: v for k, v in frozen.items() if k != "target"}
+        next_batch = lambda step: distill_batch(distill, step, args.seed, args.batch_size, args.seq_len)
+    else:
+        train_step = make_train_step(cfg, tcfg, args.loss, opt)
+        frozen_step = frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None}
+        next_batch = lambda step: train_batch(corpus.train, step, args.seed, args.batch_size, args.seq_len)
 
     def do_eval(step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -179,7 +215,7 @@ def train(
     last_eval = meta["evals"][-1] if meta["evals"] else None
     try:
         for step in range(start, args.steps):
-            batch = train_batch(corpus.train, step, args.seed, args.batch_size, args.seq_len)
+            batch = next_batch(step)
             t0 = time.perf_counter()
             params, opt_state, metrics = train_step(params, opt_state, batch, frozen_step)
             metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step

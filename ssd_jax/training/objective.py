@@ -23,6 +23,18 @@ def causal_logits(params, cfg: ModelConfig, tokens_BxT):
     return llama.logits(params, cfg, hidden_BxTxD)
 
 
+MASKED_LOGIT = -1e30  # logit of a token outside a trimmed head: q = 0 there, and no inf - inf
+
+
+def mask_head(logits_BxTxV, head_mask_V):
+    """Logits of a head trimmed to the ids where ``head_mask_V`` is true (None: the full head)."""
+    import jax.numpy as jnp
+
+    if head_mask_V is None:
+        return logits_BxTxV
+    return jnp.where(head_mask_V, logits_BxTxV, MASKED_LOGIT)
+
+
 def token_stats(logits_q_BxTxV, logits_p_BxTxV, labels_BxT) -> dict[str, Any]:
     """Per-position statistics of draft q against the labels and (if given) the target p."""
     import jax
@@ -73,7 +85,7 @@ def _optimizer(lr: float, warmup: int, steps: int, weight_decay: float, clip: fl
     return opt, sched
 
 
-def _global_norm(tree):
+def global_norm(tree):
     import optax
 
     tree_norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5; global_norm is deprecated
@@ -103,7 +115,7 @@ def make_train_step(cfg: ModelConfig, target_cfg: ModelConfig, kind: str, optimi
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "ce": stats["ce"].mean()}
+        metrics = {"loss": loss, "grad_norm": global_norm(grads), "ce": stats["ce"].mean()}
         if teacher is not None:
             metrics.update(kl=stats["kl"].mean(), alpha=stats["alpha"].mean())
         return params, opt_state, metrics
@@ -120,7 +132,7 @@ def make_eval_step(cfg: ModelConfig, target_cfg: ModelConfig) -> Callable:
     def ev(params, frozen, batch_BxT1):
         tokens, labels = batch_BxT1[:, :-1], batch_BxT1[:, 1:]
         p = causal_logits(frozen["target"], target_cfg, tokens)
-        q = causal_logits({**frozen["shared"], **params}, cfg, tokens)
+        q = mask_head(causal_logits({**frozen["shared"], **params}, cfg, tokens), frozen.get("head_mask"))
         return {k: jnp.sum(v) for k, v in token_stats(q, p, labels).items()}
 
     return jax.jit(ev)

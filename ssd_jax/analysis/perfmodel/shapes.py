@@ -74,7 +74,9 @@ def model_shape(name: str) -> ModelShape:
         base, n = name.rsplit("-first-", 1)
         if base in MODEL_CONFIGS:
             return ModelShape.from_config(name, MODEL_CONFIGS[base].replace(num_layers=int(n.split("-")[0])))
-    for d in (Path(name), Path("checkpoints") / name):
+    from ssd_jax.loading.draft import checkpoint_roots
+
+    for d in (Path(name), Path("checkpoints") / name, *(r / name for r in checkpoint_roots())):
         for f in ("draft.json", "config.json"):
             if (d / f).is_file():
                 cfg = json.loads((d / f).read_text())

@@ -1,0 +1,432 @@
+"""Self-distillation data: the target's own answers and its top-k distributions, cached on disk.
+
+``python -m ssd_jax.train distill-data --target NAME --out DIR`` (:func:`build_distill_data`):
+
+1. **Prompts.** :func:`ssd_jax.data.training_prompts`: HumanEval, MT-bench, ShareGPT and CHAMP,
+   training split only, never a prompt a benchmark may use; the sources in turn, so any prefix
+   is balanced. Each prompt is cut to ``max_prompt_tokens`` tokens and wrapped as one user turn
+   in the target's chat template (``chat``; raw text if the tokenizer has no template).
+2. **Continuations.** For each temperature, the prompts go through the engine's own batched
+   autoregressive generation (:func:`ssd_jax.engine.generate`, ``batch_size`` rows at a time,
+   up to ``max_new_tokens``, stopping at EOS, which is kept). The seed of each batch is a pure
+   function of (recipe seed, temperature index, shard, batch), so a regenerated shard is the same.
+3. **Top-k.** One teacher-forced pass of the target over prompt + continuation (batched,
+   causal; the head applied only at the generated positions, in chunks, so the full
+   ``B x T x V`` logits never exist at once) gives, for every generated position, the ``top_k`` token ids and log-probabilities
+   of the target's distribution at temperature 1 (whatever temperature sampled the token). The
+   stored log-probabilities are the real ones (not renormalised): ``1 - sum(exp)`` is the tail
+   mass the training loss uses.
+
+Storage (``DIR``)::
+
+    manifest.json                   the recipe, the target (name, weights sha256, tokenizer), prompt ids
+    shard-t<i>-<nnnnn>.npz          ``shard_prompts`` prompts at temperature i: tokens, offsets,
+                                    prompt lengths, top-k ids (int32) and log-probs (float32), meta
+
+Every file is written to a temporary name, fsynced and renamed into place, so a kill leaves only
+complete shards; a rerun with the same recipe skips them (resume) and regenerates the rest. The
+prompt list is a prefix-stable function of the recipe, so a rerun with a larger ``n_prompts`` and
+everything else equal keeps the complete shards too. Any other change of the recipe or of the
+target is refused with a one-line error. The recipe key excludes nothing else: batch size and
+shard size change the sampled tokens at T > 0, so they are part of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ssd_jax.data.prompts import TRAINING_SOURCES, training_prompts
+from ssd_jax.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = "ssd_jax.distill"
+FORMAT_VERSION = 1
+_SCORE_CHUNK = 64  # positions per head application in the teacher-forced pass
+_PAD_TO = 128  # the teacher-forced pass is padded to a multiple of this (a few compiled shapes)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillRecipe:
+    """Everything the distillation data depend on (the ``distill-data`` flags).
+
+    Attributes:
+      target: registry name or path of the target.
+      n_prompts: prompts (the first of :func:`ssd_jax.data.training_prompts`).
+      temperatures: one continuation per prompt at each temperature (0 = greedy).
+      top_k: target tokens stored per generated position.
+      max_new_tokens, max_prompt_tokens: continuation budget; prompt cut (in tokens, before the
+        chat template).
+      sources: prompt sources.
+      seed: prompt order and sampling seed.
+      chat: wrap prompts in the target's chat template.
+      batch_size: generation / scoring batch.
+      shard_prompts: prompts per shard file (the unit of resume).
+    """
+
+    target: str
+    n_prompts: int = 256
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    top_k: int = 32
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 384
+    sources: tuple[str, ...] = TRAINING_SOURCES
+    seed: int = 0
+    chat: bool = True
+    batch_size: int = 16
+    shard_prompts: int = 64
+
+    def check(self) -> None:
+        if self.n_prompts < 1 or self.top_k < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 1:
+            raise UserError("--n-prompts, --top-k, --max-new-tokens and --max-prompt-tokens must be >= 1")
+        if not self.temperatures or any(not (t >= 0 and np.isfinite(t)) for t in self.temperatures):
+            raise UserError(f"--temperatures must be finite and >= 0, got {list(self.temperatures)}")
+        if self.batch_size < 1 or self.shard_prompts < 1:
+            raise UserError("--batch-size and --shard-prompts must be >= 1")
+
+    def key(self) -> dict[str, Any]:
+        """The recipe as JSON without the target name and ``n_prompts`` (which may grow on resume)."""
+        d = dataclasses.asdict(self)
+        d.pop("target")
+        d.pop("n_prompts")
+        d["temperatures"] = [float(t) for t in self.temperatures]
+        d["sources"] = list(self.sources)
+        return d
+
+
+# --- files ----------------------------------------------------------------------------------
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary file, fsync and rename (readers see all or nothing)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def shard_bytes(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
+    """An ``.npz`` (stored, not compressed) of ``arrays`` plus a ``meta`` JSON member."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, a in {**arrays, "meta": np.asarray(json.dumps(meta, sort_keys=True))}.items():
+            b = io.BytesIO()
+            np.lib.format.write_array(b, np.asarray(a), allow_pickle=False)  # (ascontiguousarray makes 0-d 1-d)
+            z.writestr(zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)), b.getvalue())
+    return buf.getvalue()
+
+
+SHARD_ARRAYS = ("tokens", "offsets", "prompt_lens", "topk_ids", "topk_logprobs")
+
+
+def read_shard(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """(arrays, meta) of a shard file, or None if it is missing or unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            arrays = {k: np.asarray(z[k]) for k in SHARD_ARRAYS}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+    return arrays, meta
+
+
+def shard_name(t_index: int, shard: int) -> str:
+    return f"shard-t{t_index}-{shard:05d}.npz"
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _recipe_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = sorted(set(old) | set(new))
+    return "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    f = Path(path) / MANIFEST
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not distillation data (cannot read {MANIFEST}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{path}: {MANIFEST} is not a {FORMAT} v{FORMAT_VERSION} manifest")
+    return meta
+
+
+def is_distill_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+# --- prompts and the teacher-forced pass -----------------------------------------------------
+def encode_prompt(tokenizer, text: str, max_tokens: int, chat: bool) -> list[int]:
+    """``text`` cut to ``max_tokens`` tokens, then (``chat``) wrapped as one user turn."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) > max_tokens:
+        text = tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
+    if chat and tokenizer.chat_template:
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode(templated, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=True)[: max_tokens + 1]
+
+
+_SCORERS: dict[Any, Any] = {}
+
+
+def topk_scorer(cfg, k: int):
+    """Jitted ``(params, tokens_BxT, pos_BxM) -> (logprobs_BxMxK, ids_BxMxK)``: the target's top-k
+    of the NEXT token at positions ``pos`` (the head runs on those rows only, M a multiple of the
+    chunk size)."""
+    key = (cfg, k)
+    if key in _SCORERS:
+        return _SCORERS[key]
+    import jax
+    import jax.numpy as jnp
+
+    from ssd_jax.models import llama
+
+    def score(params, tokens_BxT, pos_BxM):
+        B, T = tokens_BxT.shape
+        M = pos_BxM.shape[1]
+        hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T))
+        h_BxMxD = jnp.take_along_axis(hidden_BxTxD, pos_BxM[..., None], axis=1)
+        chunks = h_BxMxD.reshape(B, M // _SCORE_CHUNK, _SCORE_CHUNK, -1).swapaxes(0, 1)
+
+        def head(h_BxCxD):
+            lp = jax.nn.log_softmax(llama.logits(params, cfg, h_BxCxD).astype(jnp.float32), axis=-1)
+            return jax.lax.top_k(lp, k)
+
+        lp, ids = jax.lax.map(head, chunks)
+        return lp.swapaxes(0, 1).reshape(B, M, k), ids.swapaxes(0, 1).reshape(B, M, k).astype(jnp.int32)
+
+    _SCORERS[key] = jax.jit(score)
+    return _SCORERS[key]
+
+
+def _pad(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+def score_sequences(target, seqs: list[list[int]], prompt_lens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (log-probs, ids) of the target for every generated position of ``seqs``, stacked in
+    sequence order: rows ``(sum of continuation lengths, k)``. One causal pass over the batch
+    (padded to a multiple of ``_PAD_TO`` tokens); the head only on the generated positions."""
+    T = _pad(max(len(s) for s in seqs), _PAD_TO)
+    gens = [len(s) - p for s, p in zip(seqs, prompt_lens)]
+    M = _pad(max(gens), _SCORE_CHUNK)
+    tok = np.zeros((len(seqs), T), np.int32)
+    pos = np.zeros((len(seqs), M), np.int32)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        tok[i, : len(s)] = s
+        pos[i, : len(s) - p] = np.arange(p - 1, len(s) - 1)  # position j-1 predicts token j
+    lp, ids = topk_scorer(target.cfg, k)(target.params, tok, pos)
+    lp, ids = np.asarray(lp), np.asarray(ids)
+    out_lp = [lp[i, :g] for i, g in enumerate(gens)]
+    out_ids = [ids[i, :g] for i, g in enumerate(gens)]
+    return np.concatenate(out_lp).astype(np.float32), np.concatenate(out_ids).astype(np.int32)
+
+
+# --- building ---------------------------------------------------------------------------------
+def _log(msg: str) -> None:
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+def build_distill_data(
+    recipe: DistillRecipe,
+    out: str | os.PathLike,
+    *,
+    target=None,
+    prompts: list[dict] | None = None,
+    on_shard=None,
+) -> dict[str, Any]:
+    """Generate (or resume) the distillation data in ``out``; returns a summary with timings.
+
+    ``target`` (a loaded model) and ``prompts`` (records with ``id`` and ``prompt``) override
+    loading the target and :func:`training_prompts` (tests); ``on_shard(name)`` is called after
+    each shard is written (tests use it to interrupt a run).
+    """
+    from ssd_jax.engine import generate
+    from ssd_jax.loading import load_model
+    from ssd_jax.loading.store import progress
+    from ssd_jax.sampling.filters import SamplingParams
+
+    recipe.check()
+    out = Path(out)
+    target = target or load_model(recipe.target)
+    tok = target.tokenizer
+    if tok is None:
+        raise UserError(f"target {recipe.target} has no tokenizer: cannot build distillation prompts")
+    if prompts is None:
+        prompts = training_prompts(recipe.sources, n=recipe.n_prompts, seed=recipe.seed)
+    prompts = list(prompts)[: recipe.n_prompts]
+    if not prompts:
+        raise UserError("no training prompts to distill")
+    ids = [str(r["id"]) for r in prompts]
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "recipe": recipe.key(),
+        "n_prompts": len(prompts),
+        "target": {"name": recipe.target, "weights_sha256": target.weights_sha256,
+                   "tokenizer_fingerprint": tok.fingerprint()},
+        "prompt_ids": ids,
+    }
+    if is_distill_dir(out):
+        old = read_manifest(out)
+        diff = _recipe_diff(old.get("recipe", {}), manifest["recipe"])
+        if old.get("target", {}).get("weights_sha256") != target.weights_sha256:
+            diff = "; ".join(x for x in (diff, f"target weights {recipe.target}") if x)
+        if not diff and old.get("prompt_ids", [])[: min(len(old["prompt_ids"]), len(ids))] != ids[: len(old["prompt_ids"])]:
+            diff = "prompt list (not a prefix of the stored one)"
+        if diff:
+            raise UserError(f"{out} holds distillation data of a different recipe ({diff}); use another --out or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob(".*.tmp-*"):  # temporary files of a killed run
+        p.unlink(missing_ok=True)
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+    key_sha = _sha({"recipe": manifest["recipe"], "target": target.weights_sha256})
+    S, B = recipe.shard_prompts, recipe.batch_size
+    n_shards = -(-len(prompts) // S)
+    jobs = [(ti, t, s) for ti, t in enumerate(recipe.temperatures) for s in range(n_shards)]
+    stats = {"shards_written": 0, "shards_kept": 0, "gen_tokens": 0, "gen_s": 0.0, "score_s": 0.0}
+    bar = progress(total=len(jobs), desc="distill-data", unit="shard", leave=True, mininterval=1.0)
+    try:
+        for ti, temp, s in jobs:
+            name = shard_name(ti, s)
+            shard_ids = ids[s * S : (s + 1) * S]
+            got = read_shard(out / name)
+            if got is not None and got[1].get("key") == key_sha and got[1].get("prompt_ids") == shard_ids:
+                stats["shards_kept"] += 1
+                bar.update(1)
+                continue
+            recs = prompts[s * S : (s + 1) * S]
+            p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
+            seqs, plens, finish = [], [], []
+            lps, tids = [], []
+            timing = {"gen_s": 0.0, "score_s": 0.0, "gen_tokens": 0}
+            for b in range(0, len(p_ids), B):
+                batch = p_ids[b : b + B]
+                sp = SamplingParams(temperature=float(temp), max_new_tokens=recipe.max_new_tokens,
+                                    seed=int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1))
+                t0 = time.perf_counter()
+                res = generate(target, batch, sp)
+                timing["gen_s"] += time.perf_counter() - t0
+                bs = [list(p) + list(o["token_ids"]) for p, o in zip(batch, res.outputs)]
+                t0 = time.perf_counter()
+                lp, tid = score_sequences(target, bs, [len(p) for p in batch], recipe.top_k)
+                timing["score_s"] += time.perf_counter() - t0
+                timing["gen_tokens"] += sum(len(o["token_ids"]) for o in res.outputs)
+                seqs += bs
+                plens += [len(p) for p in batch]
+                finish += [o["finish_reason"] for o in res.outputs]
+                lps.append(lp)
+                tids.append(tid)
+                done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s", "score_s")}
+                bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'] + done['score_s'], 1e-9):,.0f} tok/s",
+                                    refresh=False)
+            for k in ("gen_tokens", "gen_s", "score_s"):
+                stats[k] += timing[k]
+            arrays = {
+                "tokens": np.concatenate([np.asarray(q, np.int32) for q in seqs]),
+                "offsets": np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
+                "prompt_lens": np.asarray(plens, np.int32),
+                "topk_ids": np.concatenate(tids),
+                "topk_logprobs": np.concatenate(lps),
+            }
+            meta = {"key": key_sha, "temperature": float(temp), "shard": s, "prompt_ids": shard_ids,
+                    "finish_reasons": finish, "timing": timing}  # timing includes any compilation
+            write_atomic(out / name, shard_bytes(arrays, meta))
+            stats["shards_written"] += 1
+            bar.update(1)
+            if on_shard is not None:
+                on_shard(name)
+    finally:
+        bar.close()
+    busy = stats["gen_s"] + stats["score_s"]
+    stats["tokens_per_s"] = stats["gen_tokens"] / busy if busy else None
+    stats["gen_tokens_per_s"] = stats["gen_tokens"] / stats["gen_s"] if stats["gen_s"] else None
+    return {"out": str(out), "shards": len(jobs), **stats}
+
+
+# --- reading -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DistillData:
+    """All shards of a distillation directory, concatenated (sequence ``i`` is
+    ``tokens[offsets[i]:offsets[i+1]]``; its generated positions' top-k rows start at
+    ``gen_offsets[i]``)."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lens: np.ndarray
+    gen_offsets: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    info: dict[str, Any]
+
+    @property
+    def n(self) -> int:
+        return len(self.prompt_lens)
+
+
+def load_distill_data(path: str | os.PathLike, weights_sha256: str | None = None) -> DistillData:
+    """Read every shard the manifest calls for; refuses incomplete data and a different target."""
+    path = Path(path)
+    man = read_manifest(path)
+    if weights_sha256 is not None and man["target"].get("weights_sha256") != weights_sha256:
+        raise UserError(f"distillation data {path} was made with another target ({man['target'].get('name')}); "
+                        f"train against that target or rebuild the data")
+    rec = man["recipe"]
+    n_shards = -(-man["n_prompts"] // rec["shard_prompts"])
+    parts, missing = [], []
+    for ti in range(len(rec["temperatures"])):
+        for s in range(n_shards):
+            got = read_shard(path / shard_name(ti, s))
+            (parts.append(got[0]) if got is not None else missing.append(shard_name(ti, s)))
+    if missing:
+        raise UserError(f"distillation data {path} is incomplete ({len(missing)} shards missing, e.g. {missing[0]}): "
+                        f"rerun distill-data with the same recipe to finish it")
+    tokens, offsets, plens, tids, tlps = [], [0], [], [], []
+    for a in parts:
+        offsets += list(offsets[-1] + a["offsets"][1:])
+        tokens.append(a["tokens"])
+        plens.append(a["prompt_lens"])
+        tids.append(a["topk_ids"])
+        tlps.append(a["topk_logprobs"])
+    offsets = np.asarray(offsets, np.int64)
+    plens = np.concatenate(plens).astype(np.int64)
+    glens = np.diff(offsets) - plens
+    data = DistillData(
+        tokens=np.concatenate(tokens), offsets=offsets, prompt_lens=plens,
+        gen_offsets=np.concatenate([[0], np.cumsum(glens)]).astype(np.int64),
+        topk_ids=np.concatenate(tids), topk_logprobs=np.concatenate(tlps), info={},
+    )
+    h = hashlib.sha256()
+    for a in (data.tokens, data.offsets, data.topk_ids, data.topk_logprobs):
+        h.update(np.ascontiguousarray(a).tobytes())
+    data.info = {"data": str(path), "recipe": rec, "sequences": data.n, "tokens": int(len(data.tokens)),
+                 "generated_tokens": int(glens.sum()), "sha256": h.hexdigest(), "top_k": rec["top_k"]}
+    return data
