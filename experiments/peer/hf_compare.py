@@ -137,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-ssd", action="store_true", help="leave SSD out (it needs a second device lane)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="ssd_jax's methods (protocol names, e.g. ar sd:4 sd:auto:v32768 ngram:4); default: ar, "
+                        "sd:K, ngram:K and ssd:K with --k")
     p.add_argument("--smoke", action="store_true", help="tiny random Qwen2 pair, 2 token-id prompts, 1 repeat")
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
             ids = encode_prompts(ours_t, [r["prompt"] for r in recs], chat=True)
             records[c] = [{"id": r["id"], "prompt": i} for r, i in zip(recs, ids)]
     units = protocol.build_units(records, a.n_prompts, 1)
-    methods = ["ar", f"sd:{a.k}", f"ngram:{a.k}"] + ([] if a.no_ssd else [f"ssd:{a.k}"])
+    methods = a.methods or ["ar", f"sd:{a.k}", f"ngram:{a.k}"] + ([] if a.no_ssd else [f"ssd:{a.k}"])
     runners = {n: protocol.EngineRunner(ours_t, s) for n, s in protocol.method_specs(methods, ours_d).items()}
     runners.update(hf_runners(hf_t, hf_d, a.k))
     env_extra = {"target": ours_t.name, "draft": ours_d.name, "threads": a.threads, "peer": "HF transformers",
