@@ -269,3 +269,21 @@ def test_sd_matches_exact_target_distribution(small_pair, drafter, sampling, mon
             sd_mod.sd_round_program.cache_clear()
         stat_b, df_b = chi2_stat(counts_b, exact, N_SAMPLES)
         assert stat_b > chi2_threshold(df_b), (stat_b, df_b)
+
+
+@pytest.mark.parametrize("profile", [False, True])
+def test_ngram_rounds_without_proposals_are_single_steps(pair, ar_ref, profile):
+    """Rounds in which no live row's n-gram lookup matches verify nothing (one target step, not a
+    (K+1)-token verify); greedy tokens still equal AR, on the fused and on the profiled loop."""
+    target, _ = pair
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    res = generate(target, PROMPTS, sp, SpecConfig(method="sd", draft="ngram", k=3, profile_stages=profile))
+    assert _ids(res) == ar_ref
+    check_round_accounting(res, 3, fixed_k=False)
+    empty = res.metrics["rounds_without_proposals"]
+    assert 0 < empty < res.metrics["verify_steps"]
+    # a lone one-token prompt has nothing to look up in its first round
+    one = generate(target, [[77]], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                   SpecConfig(method="sd", draft="ngram", k=3, profile_stages=profile))
+    assert one.metrics["rounds_without_proposals"] >= 1
+    assert one.metrics["acceptance_histogram"][0] >= one.metrics["rounds_without_proposals"]

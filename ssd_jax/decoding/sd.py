@@ -41,6 +41,13 @@ from ssd_jax.sampling.filters import RowSampling
 from ssd_jax.sampling.rejection import emitted_tokens, verify
 
 
+def host_width(n_draft_h: np.ndarray, live: np.ndarray, k: int) -> int:
+    """How many proposal columns a host-drafted round verifies: ``k``, or 0 when no live row has a
+    proposal (an n-gram miss everywhere), so that round costs one target step, not a (k+1)-token verify.
+    Both SD loops use it, so seeded runs draw the same tokens on either."""
+    return k if bool((n_draft_h[live] > 0).any()) else 0
+
+
 def target_score(params, cache, cur_B, draft_BxK, *, cfg):
     """Target logits at the K+1 positions ``[cur, s_1..s_K]`` (cache lengths unchanged)."""
     toks = jnp.concatenate([cur_B[:, None], draft_BxK], axis=1)
@@ -52,7 +59,10 @@ def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B
     """Rejection sampling + the per-row state update; returns what the host and next round need."""
     res = verify(jax.random.fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
     n = res.n_accepted
-    prev = jnp.where(n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B)
+    if draft_BxK.shape[1] == 0:  # a round with nothing proposed: one plain target step
+        prev = cur_B
+    else:
+        prev = jnp.where(n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B)
     new_len = lengths_B + 1 + n
     # two output buffers: the target's and the draft's caches are donated separately
     return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
@@ -161,6 +171,10 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         step0 = put(np.int32(0))
         logit_spec = put(np.zeros((B, K + 1, V), np.float32))
         compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
+        if getattr(drafter, "needs_history", False):  # host-drafted rounds with no proposal (host_width)
+            z0 = put(np.zeros((B, 0), np.int32))
+            compile_s += score.precompile(model.params, cache, zB, z0)
+            compile_s += acc.precompile(kverify, step0, put(np.zeros((B, 1, V), np.float32)), z0, zB, None, rs, zB, zB)
 
     if not spec.profile_stages:
         return _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text,
@@ -176,6 +190,7 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     history = batch.histories(first) if getattr(drafter, "needs_history", False) else None
 
     t_draft = t_verify = t_sample = 0.0
+    empty = 0  # host-drafted rounds with no proposal in any live row (one target step each)
     stats = AcceptanceStats(B, K)
     live = np.array([not r.done for r in rows])
     step = 0
@@ -184,12 +199,15 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         a = time.perf_counter()
         prop = drafter.propose(prev, cur, jax.random.fold_in(kdraft, step), rs, history)
         jax.block_until_ready(prop.tokens)
+        toks = prop.tokens
+        if history is not None and host_width(np.asarray(prop.n_draft), live, K) == 0:
+            toks, empty = put(np.zeros((B, 0), np.int32)), empty + 1
         b_ = time.perf_counter()
-        logits, cache = score(model.params, cache, cur, prop.tokens)
+        logits, cache = score(model.params, cache, cur, toks)
         logits.block_until_ready()
         c = time.perf_counter()
         emitted, n_acc, lengths, draft_lengths, prev, cur = acc(
-            kverify, put(np.int32(step)), logits, prop.tokens, prop.n_draft, prop.q, rs, cache.lengths, cur
+            kverify, put(np.int32(step)), logits, toks, prop.n_draft, prop.q, rs, cache.lengths, cur
         )
         emitted_h, n_acc_h, n_draft_h = np.asarray(emitted), np.asarray(n_acc), np.asarray(prop.n_draft)
         d = time.perf_counter()
@@ -203,7 +221,7 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     wall = time.perf_counter() - t0
 
     stages = {"draft_s": t_draft, "verify_s": t_verify, "sample_s": t_sample,
-              "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample)}
+              "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample), "rounds_without_proposals": empty}
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
 
 
@@ -239,6 +257,18 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     false = put(np.bool_(False))
     compile_s += prog.precompile(model.params, cache, dparams, drafter.cache if kind == "model" else None, zB, zB, false,
                                  step1, key, rs, zK, zB)
+    progs = {K: prog}
+    if kind == "host" and K > 0:  # rounds where no row has a proposal run the 0-column program
+        progs[0] = sd_round_program(model.cfg, dcfg, 0, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind)
+        compile_s += progs[0].precompile(model.params, cache, None, None, zB, zB, false, step1, key, rs,
+                                         put(np.zeros((B, 0), np.int32)), zB)
+
+    empty = [0]
+
+    def host_round(tc, dc, cur_, prev_, catch_, step_, toks, n_h):
+        w = host_width(n_h, live, K)
+        empty[0] += w == 0
+        return progs[w](model.params, tc, dparams, dc, cur_, prev_, catch_, step_, key, rs, put(toks[:, :w]), put(n_h))
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
@@ -260,11 +290,10 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     n_draft_h = np.full(B, K, np.int32)
     if kind == "host":
         toks, n_draft_h = host_proposals()
-        args = (put(toks), put(n_draft_h))
+        out = host_round(*state, toks, n_draft_h)
     else:
-        args = (zK, zB)
+        out = prog(model.params, state[0], dparams, state[1], *state[2:], key, rs, zK, zB)
     dispatched = 1
-    out = prog(model.params, state[0], dparams, state[1], *state[2:], key, rs, *args)
     step = 0
     nxt = None
     while live.any():
@@ -276,15 +305,14 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
         else:
             nxt = None
         host = np.asarray(emitted_d)  # the round's one read: tokens and accepted counts
-        emitted_h, n_acc_h = host[:, : K + 1], host[:, K + 1]
+        emitted_h, n_acc_h = host[:, :-1], host[:, -1]
         stats.update(live, n_acc_h, n_draft_h)
         push_round(rows, live, emitted_h, n_acc_h, on_text, history)
         if not live.any():
             break
         if kind == "host":
             toks, n_draft_h = host_proposals()
-            nxt = prog(model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, put(toks),
-                       put(n_draft_h))
+            nxt = host_round(tcache, dcache_o, cur_o, prev_o, catch_o, step_o, toks, n_draft_h)
         if nxt is None:
             break
         out = nxt
@@ -294,5 +322,5 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
 
     # one call per round: stage times need profile_stages=True (--profile-stages)
     stages = {"draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None, "round_s": wall - ttft,
-              "calls_per_round": 1}
+              "calls_per_round": 1, "rounds_without_proposals": empty[0]}
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
