@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from ssd_jax.decoding.ar import generate_ar
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts
 from ssd_jax.decoding.kauto import resolve_k
+from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
 from ssd_jax.loading import load_model
@@ -65,6 +66,8 @@ def generate(
     # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
     # time counts as compile time
     spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
+    if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K
+        spec = dataclasses.replace(spec, k=agree(spec.k))
     spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd

@@ -31,7 +31,7 @@ LAYERS = {
     "cli": 10,
 }
 #: ``python -m ssd_jax.<name>`` entry points kept at their old paths: each only imports its CLI
-SHIMS = {"ssd_jax.decode", "ssd_jax.train", "ssd_jax.sdsl", "ssd_jax.perf", "ssd_jax.perfmodel",
+SHIMS = {"ssd_jax.decode", "ssd_jax.launch", "ssd_jax.train", "ssd_jax.sdsl", "ssd_jax.perf", "ssd_jax.perfmodel",
          "ssd_jax.__main__", "ssd_jax.bench.__main__", "ssd_jax.data.__main__"}
 MAX_LINES = 600
 

@@ -110,10 +110,42 @@ def read_prompts(args) -> list:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.distributed:
-        import jax
+    if not args.distributed:
+        return _run(args)
+    from ssd_jax.errors import UserError
+    from ssd_jax.parallel import distributed as dist
 
-        jax.distributed.initialize()  # coordinator / process ids from the environment (TPU, SLURM, or JAX_* vars)
+    _native_stdout_to_stderr()
+    try:  # coordinator / process ids from JAX_* variables or the cluster (TPU slice, SLURM)
+        dist.initialize()
+    except Exception as e:  # noqa: BLE001 - any start-up failure is one line
+        dist.fail_fast(f"jax.distributed.initialize failed: {_first_line(e)}")
+    try:
+        return _run(args)
+    except UserError as e:  # exit now: a peer that did not fail would wait in JAX's shutdown barrier
+        dist.fail_fast(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        dist.fail_fast("interrupted", 130)
+    except Exception as e:  # noqa: BLE001 - a lost peer surfaces as a runtime error in a collective
+        dist.fail_fast(f"distributed run failed (a peer process may have died): {_first_line(e)}")
+    return 1
+
+
+def _native_stdout_to_stderr() -> None:
+    """Native libraries write to file descriptor 1 (gloo prints "[Gloo] Rank 0 is connected ...").
+    Send that to stderr and keep the real stdout for our output alone, so ``--json`` stays one object."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real, "w", buffering=1)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
+
+
+def _run(args) -> int:
     from ssd_jax.decoding.spec import SpecConfig
     from ssd_jax.errors import UserError
     from ssd_jax.sampling.filters import SamplingParams
@@ -169,7 +201,8 @@ def run(argv=None) -> int:
     from ssd_jax import generate, load_model  # the public API (load_model picks the device's default dtype)
 
     model = load_model(args.target, dtype=args.dtype)
-    stream = not args.json and len(prompts) * args.n == 1
+    main = jax.process_index() == 0  # under --distributed only process 0 prints (and writes the trace)
+    stream = main and not args.json and len(prompts) * args.n == 1
 
     def on_text(row, text):
         sys.stdout.write(text)
@@ -178,6 +211,8 @@ def run(argv=None) -> int:
     res = generate(model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None,
                    trace=args.trace)
     m = res.metrics
+    if not main:
+        return 0
     if args.json:
         print(json.dumps(res.to_json()))
         return 0

@@ -103,6 +103,13 @@ def _deleted(x) -> bool:
     return isinstance(x, jax.Array) and x.is_deleted()
 
 
+def _elsewhere(outputs) -> bool:
+    """Work on another process's devices only (multi-process runs): this process cannot see it end;
+    that process records it."""
+    arrays = [x for x in jax.tree_util.tree_leaves(outputs) if isinstance(x, jax.Array)]
+    return bool(arrays) and all(not x.is_fully_addressable and not x.addressable_shards for x in arrays)
+
+
 def _wait_ready(outputs) -> bool:
     """Block until every live array in ``outputs`` is ready.
 
@@ -159,7 +166,7 @@ class Timeline:
         when all of its arrays are ready. ``dispatch`` defaults to now. Extra keyword
         arguments go to the event's ``args``.
         """
-        if not self.enabled:
+        if not self.enabled or _elsewhere(outputs):
             return
         t = time.perf_counter() if dispatch is None else float(dispatch)
         if self._closed:
@@ -188,6 +195,11 @@ class Timeline:
                   dispatch=float(start), args=dict(args))
         with self._lock:
             self._events.append(ev)
+
+    def add_events(self, events: Iterable[dict[str, Any]]) -> None:
+        """Add finished events (e.g. another process's, gathered after the run) as they are."""
+        with self._lock:
+            self._events += [dict(e, args=dict(e.get("args", {}))) for e in events]
 
     def _waiter(self, q: queue.Queue) -> None:
         lane_end = float("-inf")  # end of the previous event on this lane

@@ -87,9 +87,11 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules=DEFAULT_RULES) -> dict[s
 
 def shard_params(cfg: ModelConfig, params: P.Params, mesh: Mesh) -> P.Params:
     """Place (or move) a parameter pytree onto ``mesh`` by the logical rules."""
+    from ssd_jax.parallel.distributed import local_copy
+
     sh = param_shardings(cfg, mesh)
     flat = P.flatten(params)
-    return P.unflatten(cfg, {k: jax.device_put(v, sh[k]) for k, v in flat.items()})
+    return P.unflatten(cfg, {k: jax.device_put(local_copy(v), sh[k]) for k, v in flat.items()})
 
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh, batch: int, max_len: int) -> NamedSharding:

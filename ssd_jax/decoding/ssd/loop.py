@@ -9,6 +9,13 @@ draft every round: the two-call draft side is what lets the meshes overlap. Roun
 one ahead of the host's reads (the fan-out layouts lag a round); the n-gram backup reads the
 round's tokens before its lookup. ``--profile-stages`` / ``--trace`` run the stages as separate
 calls on a timeline, for stage times and the overlap.
+
+Under ``jax.distributed`` the meshes may belong to different processes. Every process runs this
+loop; what crosses each round is the outcome (the round's tokens and counts, target -> draft) and
+the next speculation with its meta (draft -> target), each as one collective over both meshes
+(:meth:`.Placement.to_draft` / :meth:`.Placement.to_target`), whose replicated result every
+process reads, so all host loops take the same decisions. The trace's events are gathered on
+process 0, one lane per process and device set.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from ssd_jax.drafters.base import Proposal, check_same_tokenizer
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
+from ssd_jax.parallel import distributed as dist
 from ssd_jax.parallel.placement import cache_for, place
 from ssd_jax.sampling.filters import RowSampling
 
@@ -129,7 +137,11 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     dcache = jax.tree.map(dput, dcache)
     est = fo.FanoutEstimator(K, M, "uniform" if uniform else "geometric", uniform_F=F if uniform else None)
     tl = Timeline(enabled=profiled)
-    tlane, dlane = lane_for(pl.target_devices), lane_for(pl.draft_devices)
+    tlane, dlane = _lane(pl.target_devices), _lane(pl.draft_devices)
+    hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
+    if profiled and dist.multi_process():
+        dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
+    origin = time.perf_counter()
     kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[spec.backup]
     first_kind = "random" if spec.backup == "random" else "neural"
     live = np.array([not r.done for r in rows])
@@ -154,7 +166,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     jax.block_until_ready(tree0)
     if prog[f"first_{first_kind}"].compiles + prog["build"].compiles > n_compiles:  # else: no compile happened
         compile_s += time.perf_counter() - a
-    spec_t0 = _to_target(sp0, tput, pl.single)
+    spec_t0 = _to_target(sp0, pl)
     zB_t = tput(np.zeros(B, np.int32))
     if profiled:
         compile_s += prog["score"].precompile(target.params, tcache, zB_t, spec_t0.tokens)
@@ -178,15 +190,19 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     tl.record("prefill", tlane, cur_t, round=0)
     dcache = prog["draft_prefill"](draft.params, dcache, dtok, dnval)
     tl.record("draft_prefill", dlane, dcache.lengths, round=0)
-    first = np.asarray(cur_t)
+    if pl.single:
+        first = np.asarray(cur_t)
+        cur_d = dput(first)
+    else:
+        cur_d, cur_all = pl.to_draft(cur_t)
+        first = pl.read(cur_all)
     ttft = time.perf_counter() - t0
     batch.push_first(first, on_text)
-    cur_d = dput(first)
     sp, pm, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, kdraft, rs_d, ctrl_d)
     tl.record(f"fallback_{first_kind}", dlane, sp.tokens, round=0)
     history = batch.histories(first) if "host" in kinds else None
     state = {"tcache": tcache, "dcache": dcache, "cur_t": cur_t, "cur_d": cur_d, "sp": sp, "pm": pm,
-             "step_t": step_t, "step_d": step_d}
+             "step_t": step_t, "step_d": step_d, "sp_t": _to_target(sp, pl)}
 
     stats = AcceptanceStats(B, K)
     # the speculation verified next: where it came from (hit, fast fallback) and its length
@@ -229,7 +245,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             rnd["out"] = out
             calls[0] += 1
             return rnd
-        spec_t = _to_target(st["sp"], tput, pl.single)
+        spec_t = st["sp_t"]
         if profiled:
             logits, st["tcache"] = prog["score"](target.params, st["tcache"], st["cur_t"], spec_t.tokens)
             tl.record("verify", tlane, logits, round=step)
@@ -247,7 +263,11 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             st["tcache"] = st["tcache"].with_lengths(new_len)
             tl.record("sample", tlane, cur_t, round=step)
         st["cur_t"] = cur_t
-        rnd["out"] = out
+        # only the outcome crosses back: (k, bonus, new length) per row, with the round's tokens
+        if pl.single:
+            rnd["out"] = out
+        else:
+            (outcome, _), (_, rnd["out"]) = pl.to_draft((outcome, out))
         host_tok, host_n = zK_d, zB_d
         if kind == "host":  # n-gram lookups need this round's tokens: read them now
             process(rnd, None)
@@ -255,13 +275,15 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             ng, ng_n = ngram_proposals(history, K, spec.prompt_lookup_min, spec.prompt_lookup_max,
                                        rows=np.flatnonzero(live))
             host_tok, host_n = dput(ng), dput(ng_n.astype(np.int32))
-            tl.mark("ngram", "host", round=step, start=a, end=time.perf_counter())
-        # only the outcome crosses back: (k, bonus, new length) per row
+            tl.mark("ngram", hlane, round=step, start=a, end=time.perf_counter())
         st["sp"], st["pm"], meta, st["dcache"], st["cur_d"], st["step_d"] = prog[f"advance_{kind}"](
-            draft.params, tree, st["dcache"], outcome if pl.single else dput(outcome), dnval, st["step_d"], kdraft,
-            rs_d, ctrl, host_tok, host_n)
+            draft.params, tree, st["dcache"], outcome, dnval, st["step_d"], kdraft, rs_d, ctrl, host_tok, host_n)
         tl.record("advance", dlane, st["sp"].tokens, round=step)
-        rnd["meta"] = meta
+        # the next speculation crosses to the target right away, with the meta every host reads
+        if pl.bridge is None:
+            st["sp_t"], rnd["meta"] = _to_target(st["sp"], pl), meta
+        else:
+            (st["sp_t"], _), (_, rnd["meta"]) = pl.to_target((_spec_only(st["sp"]), meta))
         calls[0] += 3 + profiled
         return rnd
 
@@ -269,7 +291,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         """The round's host work: its tokens to the rows (EOS / stop / length), statistics."""
         nonlocal meta_next
         if not rnd["processed"]:
-            out_h = np.asarray(rnd["out"])
+            out_h = pl.read(rnd["out"])
             rnd["processed"] = True
             rnd["n_acc"] = out_h[:, K + 1]
             meta_cur = meta_next
@@ -317,7 +339,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             step += 1
             pending = dispatch(step, kind)  # queue round T+1 before reading round T
         process(rnd, None)
-        process(rnd, np.asarray(rnd["meta"]))
+        process(rnd, pl.read(rnd["meta"]))
         if not live.any():
             break
         if pending is None:
@@ -330,9 +352,11 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         jax.block_until_ready(pending["out"])
     jax.block_until_ready(state["sp"].tokens)
     tl.close()
-    if trace_path:
+    if profiled and dist.multi_process():  # every process's lanes, on process 0
+        tl = _merged(tl, origin)
+    if trace_path and dist.is_main():
         tl.write_chrome(trace_path)
-    stages = _stage_metrics(tl, wall, ttft) if profiled else dict.fromkeys(
+    stages = _stage_metrics(tl, wall, ttft) if profiled and tl is not None else dict.fromkeys(
         ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction"))
     outputs = batch.outputs(lambda b: {**stats.row_metrics(b),
                                        "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0})
@@ -357,17 +381,48 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         "round_s": wall - ttft,
         "calls_per_round": calls[0] / max(1, step),
         "prefill_s": ttft,
-        "devices": {"single_device": pl.single, "target": len(pl.target_devices), "draft": len(pl.draft_devices)},
+        "devices": {"single_device": pl.single, "target": len(pl.target_devices), "draft": len(pl.draft_devices),
+                    "processes": jax.process_count(),
+                    "target_processes": sorted({d.process_index for d in pl.target_devices}),
+                    "draft_processes": sorted({d.process_index for d in pl.draft_devices})},
     }
     return GenerationResult(outputs, metrics, method="ssd")
 
 
 
-def _to_target(sp: Proposal, tput, single: bool) -> Proposal:
+def _spec_only(sp: Proposal) -> Proposal:
+    return Proposal(sp.tokens, sp.n_draft, sp.q)
+
+
+
+def _to_target(sp: Proposal, pl) -> Proposal:
     """What the target needs of a speculation (tokens, counts, q), on the target mesh."""
-    if single:
-        return Proposal(sp.tokens, sp.n_draft, sp.q)
-    return Proposal(tput(sp.tokens), tput(sp.n_draft), None if sp.q is None else tput(sp.q))
+    if pl.single:
+        return _spec_only(sp)
+    return pl.to_target(_spec_only(sp))[0]
+
+
+
+def _lane(devices) -> str:
+    """A trace lane per device set, named with its process(es) when there are several."""
+    lane = lane_for(devices)
+    if dist.multi_process():
+        procs = ",".join(str(p) for p in sorted({d.process_index for d in devices}))
+        lane = f"process {procs} {lane}"
+    return lane
+
+
+
+def _merged(tl: Timeline, origin: float) -> Timeline | None:
+    """A timeline of every process's events (times from the common origin), on process 0; None elsewhere."""
+    mine = [dict(e, start=e["start"] - origin, end=e["end"] - origin, dispatch=e["dispatch"] - origin)
+            for e in tl.events()]
+    every = dist.gather_to_main(mine)
+    if every is None:
+        return None
+    out = Timeline(enabled=True)
+    out.add_events([e for evs in every for e in evs])
+    return out
 
 
 

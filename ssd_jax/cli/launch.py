@@ -1,0 +1,177 @@
+"""``python -m ssd_jax.launch``: run a command as several JAX processes on this machine.
+
+    python -m ssd_jax.launch --processes 2 --devices-per-process 2 decode ARGS...
+
+starts ``python -m ssd_jax.decode --distributed ARGS...`` ``--processes`` times, each with
+``JAX_COORDINATOR_ADDRESS`` (a free local port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+set, and its own devices: ``--devices-per-process`` fake CPU devices on CPU
+(``--xla_force_host_platform_device_count``), or that many GPUs (``CUDA_VISIBLE_DEVICES``) on a
+GPU machine. ``jax.devices()`` then lists every process's devices in process order, so
+``--target-devices M --draft-devices N`` with M = N = devices-per-process puts the target on
+process 0 and the draft on process 1.
+
+Process 0's stdout is forwarded as it is (so ``--json`` output parses); every process's stderr
+(and the other processes' stdout) goes to stderr, each line prefixed ``[pN]``. When a process
+exits with a non-zero status the launcher stops the others and exits with that status (128 +
+signal for a killed process), after one line saying which process failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from ssd_jax.cli.args import Parser
+
+COMMANDS = {"decode": "ssd_jax.decode"}
+#: seconds between SIGTERM and SIGKILL when stopping the remaining processes
+GRACE_S = 3.0
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m ssd_jax.launch", description=__doc__.split("\n")[0])
+    p.add_argument("--processes", type=int, default=2, help="number of JAX processes (default 2)")
+    p.add_argument("--devices-per-process", type=int, default=1, help="devices each process owns (default 1)")
+    p.add_argument("--platform", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="cpu: fake CPU devices; gpu: split the GPUs; auto: gpu when nvidia-smi lists any")
+    p.add_argument("--port", type=int, default=0, help="coordinator port on localhost (default: a free one)")
+    p.add_argument("--no-kill", action="store_true", help="when a process fails, leave the others to notice "
+                   "it themselves (tests the runtime's own failure handling) instead of stopping them")
+    p.add_argument("command", choices=sorted(COMMANDS), help="the ssd_jax command to run")
+    p.add_argument("args", nargs="...", help="its arguments (--distributed is added)")
+    return p
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def process_env(i: int, n: int, per: int, port: int, platform: str, base: dict) -> dict:
+    env = dict(base)
+    env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
+               PYTHONUNBUFFERED="1")
+    if platform == "cpu":
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={per}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i * per + j) for j in range(per))
+    return env
+
+
+def _forward(stream, out, prefix: bytes) -> None:
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line if prefix else line)
+        out.flush()
+    stream.close()
+
+
+def _status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def run(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.processes < 1 or args.devices_per_process < 1:
+        from ssd_jax.errors import UserError
+
+        raise UserError("--processes and --devices-per-process must be >= 1")
+    platform = args.platform
+    if platform == "auto":
+        platform = "gpu" if _gpu_count() else "cpu"
+    if platform == "gpu" and _gpu_count() < args.processes * args.devices_per_process:
+        from ssd_jax.errors import UserError
+
+        raise UserError(f"{args.processes} x {args.devices_per_process} GPUs asked for, {_gpu_count()} present")
+    port = args.port or free_port()
+    cmd = [sys.executable, "-m", COMMANDS[args.command], "--distributed", *args.args]
+    out_b, err_b = sys.stdout.buffer, sys.stderr.buffer
+    procs, threads = [], []
+    for i in range(args.processes):
+        p = subprocess.Popen(cmd, env=process_env(i, args.processes, args.devices_per_process, port, platform,
+                                                  os.environ),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs.append(p)
+        prefix = f"[p{i}] ".encode()
+        threads += [threading.Thread(target=_forward, args=(p.stdout, out_b if i == 0 else err_b,
+                                                            b"" if i == 0 else prefix), daemon=True),
+                    threading.Thread(target=_forward, args=(p.stderr, err_b, prefix), daemon=True)]
+        err_b.write(f"[launch] process {i} pid {p.pid}\n".encode())
+    err_b.flush()
+    for t in threads:
+        t.start()
+
+    def stop_all(*_):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, lambda *a: (stop_all(), sys.exit(143)))
+    first_bad = None
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if bad and first_bad is None:
+                first_bad = bad[0]
+                i, rc = first_bad
+                err_b.write(f"[launch] process {i} {_describe(rc)}; "
+                            f"{'waiting for' if args.no_kill else 'stopping'} the others\n".encode())
+                err_b.flush()
+                if not args.no_kill:
+                    stop_all()
+                    deadline = time.monotonic() + GRACE_S
+                    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        stop_all()
+        for p in procs:
+            p.wait()
+        return 130
+    for t in threads:
+        t.join(timeout=5)
+    if first_bad is None:
+        first_bad = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+        if first_bad is not None:
+            err_b.write(f"[launch] process {first_bad[0]} {_describe(first_bad[1])}\n".encode())
+    return 0 if first_bad is None else _status(first_bad[1])
+
+
+def main(argv=None) -> int:
+    from ssd_jax.errors import cli_main
+
+    return cli_main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Several JAX processes as one program (``jax.distributed``): start-up, and moving small arrays
+between the disjoint target and draft meshes when they belong to different processes.
+
+Every process runs the same Python program (SPMD, "multi-controller"): the same host loop, the
+same jitted calls in the same order. A call on a mesh none of whose devices belong to this process
+is a no-op here, so each process only computes on its own devices. What one side produces and the
+other needs (the speculation, the verification outcome) crosses by JAX itself: :class:`Bridge`
+stacks the source mesh's copy with zeros on the other devices into one array over the union of
+both meshes and runs one jitted ``x[source]`` that XLA turns into a collective (gloo on CPU, NCCL /
+ICI on accelerators). Its result is replicated on every device, so every process can also read it
+on the host, which keeps the host loops of all processes deciding the same things. No sockets,
+queues or files of our own.
+
+Failure: with the heartbeat timeout set below, a process whose peer died gets an error from the
+collective it waits in (or from the coordination service) within ``SSD_JAX_HEARTBEAT_S`` seconds;
+the CLI turns it into one line on stderr and a non-zero exit (:func:`fail_fast`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+#: seconds without a heartbeat before the coordinator declares a process dead (and the others exit)
+HEARTBEAT_S = 20
+#: seconds every process waits for all the others at start-up
+INIT_TIMEOUT_S = 60
+#: seconds the shutdown barrier waits (a dead peer never reaches it)
+SHUTDOWN_S = 30
+
+
+def initialize() -> None:
+    """``jax.distributed.initialize`` from the environment.
+
+    ``JAX_COORDINATOR_ADDRESS`` (host:port of process 0), ``JAX_NUM_PROCESSES`` and
+    ``JAX_PROCESS_ID`` when set; otherwise JAX's cluster detection (TPU slice, SLURM, ...).
+    On CPU, cross-process collectives use gloo. Timeouts (``SSD_JAX_HEARTBEAT_S``,
+    ``SSD_JAX_INIT_TIMEOUT_S``) are short so that a dead peer stops the run within a minute.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only affects the CPU client
+    kw: dict = {}
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        kw["coordinator_address"] = env["JAX_COORDINATOR_ADDRESS"]
+    if env.get("JAX_NUM_PROCESSES"):
+        kw["num_processes"] = int(env["JAX_NUM_PROCESSES"])
+    if env.get("JAX_PROCESS_ID"):
+        kw["process_id"] = int(env["JAX_PROCESS_ID"])
+    jax.distributed.initialize(
+        **kw,
+        initialization_timeout=int(env.get("SSD_JAX_INIT_TIMEOUT_S", INIT_TIMEOUT_S)),
+        heartbeat_timeout_seconds=int(env.get("SSD_JAX_HEARTBEAT_S", HEARTBEAT_S)),
+        shutdown_timeout_seconds=int(env.get("SSD_JAX_SHUTDOWN_S", SHUTDOWN_S)),
+    )
+
+
+def multi_process() -> bool:
+    return jax.process_count() > 1
+
+
+def is_main() -> bool:
+    """Process 0 prints results and writes files; the others only compute."""
+    return jax.process_index() == 0
+
+
+def fail_fast(message: str, status: int = 1) -> None:
+    """One line on stderr, then exit without JAX's shutdown barrier (a dead peer never reaches it)."""
+    sys.stderr.write(f"error: process {jax.process_index()}: {message}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(status)
+
+
+def local_copy(x):
+    """A host copy of a process-local array, so it can be placed on a mesh spanning processes.
+
+    ``jax.device_put`` cannot move an array from this process's device to another process's
+    devices (no cross-host transfers on CPU); from numpy each process places its own shards.
+    """
+    if multi_process() and isinstance(x, jax.Array) and x.is_fully_addressable:
+        return np.asarray(x)
+    return x
+
+
+def host_value(x) -> np.ndarray:
+    """The host copy of an array replicated over a mesh that has a device in this process."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(x.addressable_shards[0].data)
+
+
+class Bridge:
+    """Moves replicated pytrees between two disjoint meshes that may live in different processes.
+
+    ``move(tree, to)`` takes arrays replicated on one mesh and returns ``(on_dst, readable)``:
+    the same values replicated on the other mesh, and replicated on the union (readable by every
+    process with :func:`host_value`). One compiled collective per call, whatever the tree.
+    """
+
+    def __init__(self, target_mesh: Mesh, draft_mesh: Mesh):
+        self.meshes = {"target": target_mesh, "draft": draft_mesh}
+        devs = list(target_mesh.devices.flat) + list(draft_mesh.devices.flat)
+        self.union = Mesh(np.asarray(devs), ("x",))
+        self._stacked = NamedSharding(self.union, PartitionSpec("x"))
+        self._rep = NamedSharding(self.union, PartitionSpec())
+        self._first = {"target": 0, "draft": target_mesh.devices.size}
+        self._local = [d for d in devs if d.process_index == jax.process_index()]
+        self._zeros: dict = {}
+        self._progs: dict = {}
+
+    def _zero(self, shape, dtype, dev):
+        key = (shape, str(dtype), dev.id)
+        z = self._zeros.get(key)
+        if z is None:
+            z = self._zeros[key] = jax.device_put(np.zeros((1, *shape), dtype), dev)
+        return z
+
+    def _stack(self, x, src: str):
+        src_ids = {d.id for d in self.meshes[src].devices.flat}
+        mine = {s.device.id: s.data for s in x.addressable_shards}
+        pieces = [mine[d.id][None] if d.id in src_ids else self._zero(x.shape, x.dtype, d) for d in self._local]
+        return jax.make_array_from_single_device_arrays((len(self.union.devices.flat), *x.shape), self._stacked,
+                                                        pieces, dtype=x.dtype)
+
+    def move(self, tree, to: str):
+        src = "draft" if to == "target" else "target"
+        leaves, treedef = jax.tree.flatten(tree)
+        stacked = [self._stack(x, src) for x in leaves]
+        i = self._first[src]
+        prog = self._progs.get(i)
+        if prog is None:
+            prog = self._progs[i] = jax.jit(lambda xs: [x[i] for x in xs], out_shardings=self._rep)
+        out = prog(stacked)
+        dst = NamedSharding(self.meshes[to], PartitionSpec())
+        dst_ids = {d.id for d in self.meshes[to].devices.flat}
+        moved = [jax.make_array_from_single_device_arrays(
+            x.shape, dst, [s.data for s in y.addressable_shards if s.device.id in dst_ids], dtype=x.dtype)
+            for x, y in zip(leaves, out)]
+        return jax.tree.unflatten(treedef, moved), jax.tree.unflatten(treedef, out)
+
+
+def gather_to_main(obj) -> list | None:
+    """Every process's JSON-serialisable ``obj``, in process order, on process 0 (None elsewhere).
+
+    Collective: every process must call it. Used once per run (the trace's events)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    n = int(np.max(multihost_utils.process_allgather(np.int32(data.size))))
+    buf = np.zeros(n, np.uint8)
+    buf[: data.size] = data
+    allb = np.asarray(multihost_utils.process_allgather(buf))
+    if not is_main():
+        return None
+    return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in allb.reshape(jax.process_count(), n)]
+
+
+def agree(value: int) -> int:
+    """Process 0's integer, in every process (a decision each process made on its own, e.g. K)."""
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def sync_clock(name: str) -> None:
+    """A barrier over every process (a common time origin for the trace)."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
