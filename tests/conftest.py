@@ -72,6 +72,22 @@ def tiny_llama_path(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_draft_path(tmp_path_factory, tiny_llama_path):
+    """A different tiny Llama with the same vocabulary: a draft that partly disagrees with the target."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1}, tie_word_embeddings=True, eos_token_id=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)
+    path = tmp_path_factory.mktemp("tiny-llama-draft")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 # --- tiny random target / draft pairs shared by the SD and SSD tests (built in numpy, no torch)
 
 

@@ -183,23 +183,6 @@ def test_bad_prompt_inputs_in_process(tiny_llama_path, tmp_path, capsys):
         assert needle.lower() in lines[0].lower(), lines[0]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama_draft_path(tmp_path_factory, tiny_llama_path):
-    """A different tiny Llama with the same vocabulary: a draft that partly disagrees with the target."""
-    import torch
-    from conftest import TINY
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1}, tie_word_embeddings=True, eos_token_id=1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.15)
-    path = tmp_path_factory.mktemp("tiny-llama-draft")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.mark.slow  # 20-30 s; seeded SSD reproducibility per backup is in test_exactness
 def test_seeded_sampled_ssd_auto_is_reproducible_from_the_cli(tiny_llama_path, tiny_llama_draft_path):
     args = ["--target", tiny_llama_path, "--draft", tiny_llama_draft_path, "--method", "ssd", "--backup", "auto",

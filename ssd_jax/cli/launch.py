@@ -136,7 +136,7 @@ def run(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *a: (stop_all(), sys.exit(143)))
     first_bad = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
             bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
             if bad and first_bad is None:
                 first_bad = bad[0]

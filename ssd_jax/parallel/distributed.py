@@ -11,23 +11,30 @@ ICI on accelerators). Its result is replicated on every device, so every process
 on the host, which keeps the host loops of all processes deciding the same things. No sockets,
 queues or files of our own.
 
-Failure: with the heartbeat timeout set below, a process whose peer died gets an error from the
-collective it waits in (or from the coordination service) within ``SSD_JAX_HEARTBEAT_S`` seconds;
-the CLI turns it into one line on stderr and a non-zero exit (:func:`fail_fast`).
+Failure: a dead peer stops sending heartbeats; after ``SSD_JAX_HEARTBEAT_S`` seconds the coordination
+service declares it dead. JAX's default reaction is to abort every other process with a C++ stack
+trace, so recoverability is switched on (the survivors are only told) and a watchdog thread in
+every process asks the service which processes are alive (``get_live_nodes``, once a second; it
+returns when every live process has asked). When one is missing, the watchdog prints one line and
+exits with status 1 (:func:`fail_fast`); an error raised in the main thread by a collective whose
+peer vanished ends the same way (the CLI catches it).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 #: seconds without a heartbeat before the coordinator declares a process dead (and the others exit)
-HEARTBEAT_S = 20
+HEARTBEAT_S = 10
 #: seconds every process waits for all the others at start-up
 INIT_TIMEOUT_S = 60
 #: seconds the shutdown barrier waits (a dead peer never reaches it)
@@ -51,12 +58,55 @@ def initialize() -> None:
         kw["num_processes"] = int(env["JAX_NUM_PROCESSES"])
     if env.get("JAX_PROCESS_ID"):
         kw["process_id"] = int(env["JAX_PROCESS_ID"])
+    watch = _can_watch()
+    if watch:  # a dead peer: tell us (the watchdog) instead of aborting us with a stack trace
+        jax.config.update("jax_enable_recoverability", True)
+    heartbeat = int(env.get("SSD_JAX_HEARTBEAT_S", HEARTBEAT_S))
     jax.distributed.initialize(
         **kw,
         initialization_timeout=int(env.get("SSD_JAX_INIT_TIMEOUT_S", INIT_TIMEOUT_S)),
-        heartbeat_timeout_seconds=int(env.get("SSD_JAX_HEARTBEAT_S", HEARTBEAT_S)),
+        heartbeat_timeout_seconds=heartbeat,
         shutdown_timeout_seconds=int(env.get("SSD_JAX_SHUTDOWN_S", SHUTDOWN_S)),
     )
+    if watch and jax.process_count() > 1:
+        from jax._src import distributed as jd
+
+        atexit.register(_STOPPING.set)  # runs before JAX's own shutdown (registered earlier)
+
+        threading.Thread(target=_watchdog, args=(jd.global_state.client, jax.process_count(), heartbeat),
+                         daemon=True, name="ssd-jax-peer-watchdog").start()
+
+
+def _can_watch() -> bool:
+    """Whether this JAX lets us ask the coordination service which processes are alive.
+
+    ``get_live_nodes`` is not public API: without it we keep JAX's own abort on a dead peer."""
+    try:
+        from jax._src import distributed as jd
+        from jax._src.lib import _jax
+    except ImportError:
+        return False
+    return ("jax_enable_recoverability" in jax.config.values and hasattr(jd, "global_state")
+            and hasattr(getattr(_jax, "DistributedRuntimeClient", None), "get_live_nodes"))
+
+
+_STOPPING = threading.Event()  # normal exit: peers leaving is expected now
+
+
+def _watchdog(client, n: int, heartbeat: int) -> None:
+    ids = list(range(n))
+    while not _STOPPING.is_set():
+        try:
+            live = client.get_live_nodes(ids)
+        except Exception as e:  # noqa: BLE001 - the service itself is gone (process 0 died)
+            if _STOPPING.is_set():
+                return
+            fail_fast(f"lost the coordination service (process 0 died?): {str(e).splitlines()[0][:200]}")
+        missing = sorted(set(ids) - set(live))
+        if missing and not _STOPPING.is_set():
+            fail_fast(f"process(es) {', '.join(map(str, missing))} stopped responding (no heartbeat for "
+                      f"{heartbeat} s); stopping")
+        time.sleep(1.0)
 
 
 def multi_process() -> bool:

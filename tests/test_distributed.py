@@ -1,0 +1,120 @@
+"""SD and SSD across processes (``jax.distributed``), run through the local launcher: 2 processes x 2
+fake CPU devices, the target mesh on process 0's devices and the draft mesh on process 1's."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+IDS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+N_NEW = 12
+
+
+def _launch_cmd(*args, no_kill=False):
+    return [sys.executable, "-m", "ssd_jax.launch", "--processes", "2", "--devices-per-process", "2",
+            "--platform", "cpu", *(["--no-kill"] if no_kill else []), "decode", *args]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the launcher gives each process its own 2 devices
+    return env
+
+
+def launch(*args):
+    r = subprocess.run(_launch_cmd(*args), capture_output=True, text=True, timeout=600, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def _args(target, draft, *extra):
+    ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    return ["--target", target, "--draft", draft, "--target-devices", "2", "--draft-devices", "2", *ids,
+            "--max-new-tokens", str(N_NEW), "--ignore-eos", "--json", "--k", "3", *extra]
+
+
+def _tokens(res):
+    outs = res["outputs"] if isinstance(res, dict) else res.outputs
+    return [o["token_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama_path, tiny_llama_draft_path):
+    from ssd_jax import load_model
+
+    return load_model(tiny_llama_path), load_model(tiny_llama_draft_path)
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(models):
+    from ssd_jax import SamplingParams, generate
+
+    return _tokens(generate(models[0], IDS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)))
+
+
+@pytest.mark.parametrize("method", ["ssd", "sd"])
+def test_greedy_across_processes_equals_single_process_ar(method, tiny_llama_path, tiny_llama_draft_path, ar_tokens):
+    # SSD with backup auto: the neural fallback and the host n-gram lookups both run across processes
+    res = launch(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", method,
+                        *(["--backup", "auto"] if method == "ssd" else [])))
+    assert _tokens(res) == ar_tokens
+    dev = res["metrics"]["devices"]
+    assert (dev["processes"], dev["target_processes"], dev["draft_processes"]) == (2, [0], [1])
+
+
+def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(models, tiny_llama_path,
+                                                                                tiny_llama_draft_path, tmp_path):
+    """Same meshes, same keys, same programs; what crosses between processes is copied exactly, so the
+    multi-process run draws the very tokens of the single-process one."""
+    from ssd_jax import SamplingParams, SpecConfig, generate
+
+    trace = tmp_path / "trace.json"
+    sampled = ["--temperature", "1.0", "--top-k", "20", "--seed", "7", "--backup", "neural"]
+    res = launch(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", *sampled, "--trace", str(trace)))
+    ref = generate(models[0], IDS, SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=N_NEW,
+                                                   ignore_eos=True),
+                   spec=SpecConfig(method="ssd", draft=models[1], k=3, backup="neural", target_devices=2,
+                                   draft_devices=2))
+    assert _tokens(res) == _tokens(ref)
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert any(lane.startswith("process 0 ") for lane in lanes) and any(lane.startswith("process 1 ") for lane in lanes)
+    by_lane = {(e["cat"].split()[1], e["name"]) for e in events if e["ph"] == "X"}
+    assert {("0", "verify"), ("1", "build"), ("1", "advance")} <= by_lane
+    assert 0.0 <= res["metrics"]["overlap_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("no_kill", [False, True], ids=["launcher-stops-the-rest", "survivor-notices"])
+def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_path, tiny_llama_draft_path):
+    args = _args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", "--backup", "neural")
+    args[args.index("--max-new-tokens") + 1] = "400"
+    p = subprocess.Popen(_launch_cmd(*args, no_kill=no_kill), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env())
+    try:
+        pid1 = None
+        for line in p.stderr:  # the pids, then the first collective over both processes' devices (mid-run)
+            m = re.match(r"\[launch\] process 1 pid (\d+)", line)
+            pid1 = int(m.group(1)) if m else pid1
+            if "connected to 3 peer ranks" in line:
+                break
+        time.sleep(1.0)
+        assert p.poll() is None, "the run ended before it could be interrupted"
+        t = time.monotonic()
+        os.kill(pid1, signal.SIGKILL)
+        err = p.stderr.read()
+        p.wait(timeout=90)
+        took = time.monotonic() - t
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert took < 60, took
+    assert p.returncode == 128 + signal.SIGKILL, err[-2000:]
+    assert "[launch] process 1 was killed by SIGKILL" in err
+    if no_kill:  # process 0 noticed by itself: one line, no traceback, no C++ stack trace
+        assert "[p0] error: process 0: process(es) 1 stopped responding" in err
+        assert "Traceback" not in err and "Check failure" not in err
