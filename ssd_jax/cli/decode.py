@@ -121,7 +121,9 @@ def run(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - any start-up failure is one line
         dist.fail_fast(f"jax.distributed.initialize failed: {_first_line(e)}")
     try:
-        return _run(args)
+        rc = _run(args)
+        dist.finish()
+        return rc
     except UserError as e:  # exit now: a peer that did not fail would wait in JAX's shutdown barrier
         dist.fail_fast(str(e), e.exit_code)
     except KeyboardInterrupt:

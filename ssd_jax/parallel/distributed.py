@@ -103,6 +103,8 @@ def _watchdog(client, n: int, heartbeat: int) -> None:
                 return
             fail_fast(f"lost the coordination service (process 0 died?): {str(e).splitlines()[0][:200]}")
         missing = sorted(set(ids) - set(live))
+        if missing:
+            _STOPPING.wait(2.0)  # a peer that passed finish() may leave just before we set the flag
         if missing and not _STOPPING.is_set():
             fail_fast(f"process(es) {', '.join(map(str, missing))} stopped responding (no heartbeat for "
                       f"{heartbeat} s); stopping")
@@ -208,6 +210,15 @@ def gather_to_main(obj) -> list | None:
     if not is_main():
         return None
     return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in allb.reshape(jax.process_count(), n)]
+
+
+def finish() -> None:
+    """The end of a run: wait for every process, then peers leaving is no failure.
+
+    With recoverability on, JAX's shutdown no longer waits for the others, so this barrier does."""
+    if multi_process():
+        sync_clock("ssd_jax_finish")
+    _STOPPING.set()
 
 
 def agree(value: int) -> int:
