@@ -71,9 +71,10 @@ def initialize() -> None:
     if watch and jax.process_count() > 1:
         from jax._src import distributed as jd
 
+        global _CLIENT
+        _CLIENT = jd.global_state.client
         atexit.register(_STOPPING.set)  # runs before JAX's own shutdown (registered earlier)
-
-        threading.Thread(target=_watchdog, args=(jd.global_state.client, jax.process_count(), heartbeat),
+        threading.Thread(target=_watchdog, args=(_CLIENT, jax.process_count(), heartbeat),
                          daemon=True, name="ssd-jax-peer-watchdog").start()
 
 
@@ -91,6 +92,7 @@ def _can_watch() -> bool:
 
 
 _STOPPING = threading.Event()  # normal exit: peers leaving is expected now
+_CLIENT = None  # the runtime client the watchdog uses (None: no watchdog)
 
 
 def _watchdog(client, n: int, heartbeat: int) -> None:
@@ -215,10 +217,28 @@ def gather_to_main(obj) -> list | None:
 def finish() -> None:
     """The end of a run: wait for every process, then peers leaving is no failure.
 
-    With recoverability on, JAX's shutdown no longer waits for the others, so this barrier does."""
-    if multi_process():
-        sync_clock("ssd_jax_finish")
+    With recoverability on, JAX's shutdown no longer waits for the others, so this barrier does, and
+    process 0, which hosts the coordination service, leaves only after the others have disconnected
+    (a process whose service vanished before it disconnected would abort)."""
+    if not multi_process():
+        _STOPPING.set()
+        return
+    sync_clock("ssd_jax_finish")
     _STOPPING.set()
+    if _CLIENT is None:
+        return
+    if not is_main():
+        jax.distributed.shutdown()
+        return
+    ids = list(range(jax.process_count()))
+    deadline = time.monotonic() + SHUTDOWN_S
+    while time.monotonic() < deadline:
+        try:
+            if len(_CLIENT.get_live_nodes(ids)) <= 1:
+                return
+        except Exception:  # noqa: BLE001 - nothing left to wait for
+            return
+        time.sleep(0.05)
 
 
 def agree(value: int) -> int:
