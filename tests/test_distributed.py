@@ -20,16 +20,38 @@ def _launch_cmd(*args, no_kill=False):
             "--platform", "cpu", *(["--no-kill"] if no_kill else []), "decode", *args]
 
 
+_CACHE = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """One JAX persistent compilation cache for this module's launcher runs (they share programs)."""
+    _CACHE["dir"] = str(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    _CACHE.clear()
+
+
 def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the launcher gives each process its own 2 devices
+    if "dir" in _CACHE:
+        env.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 
+def start(*args):
+    return subprocess.Popen(_launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def finish(p):
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
 def launch(*args):
-    r = subprocess.run(_launch_cmd(*args), capture_output=True, text=True, timeout=600, env=_env())
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
+    return finish(start(*args))
 
 
 def _args(target, draft, *extra):
@@ -75,11 +97,12 @@ def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(m
 
     trace = tmp_path / "trace.json"
     sampled = ["--temperature", "1.0", "--top-k", "20", "--seed", "7", "--backup", "neural"]
-    res = launch(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", *sampled, "--trace", str(trace)))
+    run = start(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", *sampled, "--trace", str(trace)))
     ref = generate(models[0], IDS, SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=N_NEW,
                                                    ignore_eos=True),
                    spec=SpecConfig(method="ssd", draft=models[1], k=3, backup="neural", target_devices=2,
                                    draft_devices=2))
+    res = finish(run)
     assert _tokens(res) == _tokens(ref)
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -89,12 +112,13 @@ def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(m
     assert 0.0 <= res["metrics"]["overlap_fraction"] <= 1.0
 
 
-@pytest.mark.parametrize("no_kill", [False, True], ids=["launcher-stops-the-rest", "survivor-notices"])
+@pytest.mark.parametrize("no_kill", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["launcher-stops-the-rest", "survivor-notices"])
 def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_path, tiny_llama_draft_path):
     args = _args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", "--backup", "neural")
     args[args.index("--max-new-tokens") + 1] = "400"
     p = subprocess.Popen(_launch_cmd(*args, no_kill=no_kill), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env())
+                         text=True, env=_env())  # survivor-notices: process 0 exits by itself (watchdog)
     try:
         pid1 = None
         for line in p.stderr:  # the pids, then the first collective over both processes' devices (mid-run)
@@ -118,3 +142,16 @@ def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_
     if no_kill:  # process 0 noticed by itself: one line, no traceback, no C++ stack trace
         assert "[p0] error: process 0: process(es) 1 stopped responding" in err
         assert "Traceback" not in err and "Check failure" not in err
+
+
+@pytest.mark.slow  # 15 s; the launcher test covers greedy SD on two meshes
+def test_sd_on_two_meshes_in_one_process_draws_the_single_device_tokens(models):
+    """The two-mesh SD round (draft call, target call, moves between) uses the keys of the fused round."""
+    from ssd_jax import SamplingParams, SpecConfig, generate
+
+    sp = SamplingParams(temperature=1.0, seed=3, max_new_tokens=N_NEW, ignore_eos=True)
+    one = generate(models[0], IDS, sp, spec=SpecConfig(method="sd", draft=models[1], k=3))
+    two = generate(models[0], IDS, sp, spec=SpecConfig(method="sd", draft=models[1], k=3, target_devices=2,
+                                                       draft_devices=2))
+    assert _tokens(two) == _tokens(one)
+    assert two.metrics["calls_per_round"] == 2 and two.metrics["devices"]["draft"] == 2

@@ -275,7 +275,8 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
     two = generate(target, PROMPTS, sp, dataclasses.replace(base, target_devices=4, draft_devices=4), trace=str(trace))
     assert seen["target"] == {0, 1, 2, 3} and seen["draft"] == {4, 5, 6, 7}
     assert _ids(two) == _ids(single)
-    assert two.metrics["devices"] == {"single_device": False, "target": 4, "draft": 4}
+    assert two.metrics["devices"] == {"single_device": False, "target": 4, "draft": 4, "processes": 1,
+                                      "target_processes": [0], "draft_processes": [0]}
     ev = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in ev if e.get("ph") == "X"}
     assert {"verify", "build", "sample", "advance"} <= names

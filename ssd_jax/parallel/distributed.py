@@ -143,7 +143,7 @@ def local_copy(x):
 
 def host_value(x) -> np.ndarray:
     """The host copy of an array replicated over a mesh that has a device in this process."""
-    if x.is_fully_addressable:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(x.addressable_shards[0].data)
 
