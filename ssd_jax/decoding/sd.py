@@ -408,6 +408,14 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     q0 = tput(np.zeros((B, K, model.cfg.vocab_size), np.float32))
     compile_s += tprog.precompile(target.params, tcache, zB_t, tput(np.zeros((B, K), np.int32)), q0, one_t, key_t,
                                   rs_t)
+    if pl.bridge is not None:  # the moves between processes are collectives: compile them now
+        a = time.perf_counter()
+        zK_d = dput(np.zeros((B, K), np.int32))
+        outcome0 = (zB_t, zB_t, tput(np.bool_(False)), zB_t)
+        jax.block_until_ready([pl.to_draft(zB_t), pl.to_target((zK_d, dput(np.zeros((B, K, model.cfg.vocab_size),
+                                                                                     np.float32)))),
+                               pl.to_draft((outcome0, tput(np.zeros((B, K + 2), np.int32))))])
+        compile_s += time.perf_counter() - a
 
     t0 = time.perf_counter()
     cur_t, tcache = prefill(target.params, tcache, tok_t, nval_t, key_t, rs_t)

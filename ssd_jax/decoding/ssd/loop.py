@@ -182,6 +182,12 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         else:
             compile_s += prog[f"advance_{kind}"].precompile(draft.params, tree0, dcache, outcome0, dnval, step_d,
                                                             kdraft, rs_d, ctrl_d, zK_d, zB_d)
+    if pl.bridge is not None:  # the loop's moves between processes are collectives: compile them now
+        a = time.perf_counter()
+        zi = np.zeros((B, K + 2), np.int32)
+        jax.block_until_ready([pl.to_draft(zB_t), pl.to_draft((tput(zi[:, :3]), tput(zi))),
+                               pl.to_target((_spec_only(sp0), dput(zi[:, :META])))])
+        compile_s += time.perf_counter() - a
     del tree0, sp0, pm0, spec_t0
 
     # --- prefill both models (both count towards ttft), then the first speculation
