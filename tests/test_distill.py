@@ -266,6 +266,7 @@ def test_distill_training_lowers_the_loss_and_resumes(env, run_a):
         T.train(targs(env, "data-a", "run-b", resume=True, ce_weight=0.5), corpus=_heldout(env))
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): trimmed heads are tested in test_vocab_trim
 def test_trimmed_head_training(env, data_a, monkeypatch):
     from ssd_jax.drafters import vocab
 
