@@ -3,21 +3,18 @@ against numpy, training on it (with resume), the prompt splits, and drafts loade
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import chex
 import numpy as np
 import pytest
-from test_loading import tiny_tokenizer
-from test_train import TARGET_CFG, Killed, restore_state
+from test_train import TARGET_CFG, Killed, restore_state, save_tiny_target
 
 from ssd_jax import training as T
 from ssd_jax.errors import UserError
 from ssd_jax.loading import draft as dfmt
-from ssd_jax.loading import load_model, store
-from ssd_jax.models.params import flatten, init_params
+from ssd_jax.loading import load_model
 from ssd_jax.training import distill as D
 from ssd_jax.training import distill_data as DD
 
@@ -27,11 +24,8 @@ PROMPTS = [{"id": f"p/{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    os.environ["SSD_JAX_NO_PROGRESS"] = "1"
     root = tmp_path_factory.mktemp("distill")
-    flat = {k: np.asarray(v) for k, v in flatten(init_params(TARGET_CFG, 0, scale=0.15)).items()}
-    store.save_converted(root / "target", TARGET_CFG, iter(flat.items()), tiny_tokenizer(),
-                         {"source_sha256": "cd" * 32, "name": "tiny-target"})
+    save_tiny_target(root, "cd")
     return root
 
 
@@ -266,6 +260,7 @@ def test_distill_training_lowers_the_loss_and_resumes(env, run_a):
         T.train(targs(env, "data-a", "run-b", resume=True, ce_weight=0.5), corpus=_heldout(env))
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): trimmed heads are tested in test_vocab_trim
 def test_trimmed_head_training(env, data_a, monkeypatch):
     from ssd_jax.drafters import vocab
 

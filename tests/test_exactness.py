@@ -395,6 +395,7 @@ def test_seeded_ssd_is_reproducible(agree_pair, backup):
     assert [o["token_ids"] for o in c.outputs] != [o["token_ids"] for o in a.outputs]
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): the auto backup runs in the default exactness cases
 def test_auto_backup_decides_from_the_cost_model_not_the_clock(agree_pair, monkeypatch):
     """With the clock frozen or running wild, auto makes the same choices (it never reads it)."""
     import time as time_mod

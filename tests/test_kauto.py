@@ -43,6 +43,7 @@ def test_spec_validation_of_k():
     SpecConfig(method="ssd", draft="x", fan_out=2, fan_out_budget=6, k=2).validate()
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): test_cli_k_auto covers K auto end to end
 def test_auto_k_metrics_and_greedy_equality(pair, ar_ref):
     target, draft = pair
     for d in (draft, "ngram"):

@@ -68,6 +68,8 @@ def test_units_alternate_categories_and_cycle_at_batch_sizes():
     assert [(u.category, u.index) for u in us] == [("code", 0), ("chat", 0), ("code", 1), ("chat", 1)]
     big = _units(2, batch=6)
     assert len(big[0].prompts) == 6 and big[0].ident.split("+")[4] == "code0"  # wraps around the 4 records
+    two = _units(2, batch=2)  # enough records: the units' batches are disjoint
+    assert [u.ident for u in two] == ["code0+code1", "chat0+chat1", "code2+code3", "chat2+chat3"]
 
 
 class Fake:

@@ -75,7 +75,8 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), "ngram", "shipped", "shipped-vocab2048"])
+@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow), "shipped",
+                                     "shipped-vocab2048"])
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
     or the trained draft shipped in checkpoints/ (the default draft of this target), also with its
@@ -124,6 +125,7 @@ def test_cli_refuses_a_draft_with_another_tokenizer():
     assert "different tokenizers" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): stop strings are also tested on tiny models
 def test_stop_strings_cut_the_text(ours):
     sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
     full = ssd_jax.generate(ours, [PROMPTS[0]], sp).outputs[0]
@@ -143,6 +145,7 @@ def test_stop_strings_cut_the_text(ours):
     assert sd.outputs[0]["text"] == out["text"] and sd.outputs[0]["token_ids"] == out["token_ids"]
 
 
+@pytest.mark.slow  # default-suite budget (15 min on 2 cores): streaming is also tested on tiny models
 def test_streamed_text_is_the_decoded_text(ours):
     """Incremental detokenisation: the streamed pieces add up to decode(token_ids), multi-byte
     characters included, at any temperature, and the stop-string cut is the full-text cut."""

@@ -40,13 +40,18 @@ class Killed(Exception):
     """Stands in for a kill: raised from inside the training loop."""
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def save_tiny_target(root, sha_byte: str) -> None:
+    """The tiny random target (``TARGET_CFG``) saved as a converted model at ``root/target``."""
     os.environ["SSD_JAX_NO_PROGRESS"] = "1"
-    root = tmp_path_factory.mktemp("train")
     flat = {k: np.asarray(v) for k, v in flatten(init_params(TARGET_CFG, 0, scale=0.15)).items()}
     store.save_converted(root / "target", TARGET_CFG, iter(flat.items()), tiny_tokenizer(),
-                         {"source_sha256": "ab" * 32, "name": "tiny-target"})
+                         {"source_sha256": sha_byte * 32, "name": "tiny-target"})
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    save_tiny_target(root, "ab")
     words = "the quick brown fox jumps over the lazy dog and hello world again".split()
     rng = np.random.default_rng(0)
     docs = [" ".join(words[j % len(words)] for j in range(i, i + 12 + i % 7)) + f" {rng.integers(100)}" for i in range(300)]

@@ -75,15 +75,15 @@ def category_prompts(category: str, n: int) -> list[dict]:
 def build_units(records: dict[str, list[dict]], n_units: int, batch_size: int) -> list[Unit]:
     """``n_units`` units per category from its records (``{"id", "prompt"}``), categories alternating.
 
-    At batch ``B`` unit ``i`` holds records ``i .. i+B-1`` (cyclically), so units differ in
-    their first prompt and need only ``max(n_units, B)`` records."""
+    At batch ``B`` unit ``i`` holds records ``i*B .. i*B+B-1``: disjoint batches when there are
+    ``n_units * B`` records (the suite loads that many), cycling through fewer."""
     per_cat = {}
     for cat, recs in records.items():
         if not recs:
             raise UserError(f"no prompts for category {cat!r}")
         us = []
         for i in range(n_units):
-            rs = [recs[(i + j) % len(recs)] for j in range(batch_size)]
+            rs = [recs[(i * batch_size + j) % len(recs)] for j in range(batch_size)]
             us.append(Unit(cat, i, tuple(r["prompt"] if isinstance(r["prompt"], str) else tuple(r["prompt"]) for r in rs),
                            "+".join(str(r["id"]) for r in rs)))
         per_cat[cat] = us
@@ -388,7 +388,7 @@ def suite(args) -> Path:
 
     path = Path(args.out) / (f"protocol_{jax.default_backend()}" + (f"_{args.tag}" if args.tag else "") + ".jsonl")
     for bs in args.batch_sizes:
-        n_rec = max(args.n_prompts, bs)
+        n_rec = args.n_prompts * bs
         records = {c: category_prompts(c, n_rec) for c in args.categories}
         units = build_units(records, args.n_prompts, bs)
         runners = {name: EngineRunner(target, spec, chat=args.chat) for name, spec in specs.items()}
