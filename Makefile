@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m ssd_jax.decode
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
