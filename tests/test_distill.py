@@ -94,6 +94,7 @@ def test_resume_after_a_kill_between_shards(env, target, data_a):
         DD.load_distill_data(out)
     s = build(env, target, "data-b")
     assert (s["shards_kept"], s["shards_written"]) == (2, 4)
+    assert s["compiles"] == 0  # the prompt widths of data-a: nothing new to compile for more shards
     assert not list(out.glob(".*tmp*"))
     for a, b in zip(_arrays(data_a), _arrays(DD.load_distill_data(out))):
         np.testing.assert_array_equal(a, b)

@@ -100,7 +100,7 @@ def build_data_parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", nargs="+", default=list(d.sources), help="prompt sources")
     p.add_argument("--seed", type=int, default=d.seed, help="prompt order and sampling seed")
     p.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="generation and scoring batch")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="generation batch (prompts sorted by length)")
     p.add_argument("--shard-prompts", type=int, default=d.shard_prompts, help="prompts per shard file")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return p
@@ -120,8 +120,8 @@ def run_data_cli(argv) -> int:
     print(f"distillation data in {s['out']}: {s['shards']} shards ({s['shards_kept']} kept, {s['shards_written']} "
           f"written); train with --loss distill --data {s['out']}")
     if s["tokens_per_s"]:
-        print(f"speed: {s['gen_tokens']:,} generated tokens, {s['tokens_per_s']:,.1f} tok/s with scoring "
-              f"({s['gen_tokens_per_s']:,.1f} tok/s generation alone)")
+        print(f"speed: {s['gen_tokens']:,} generated tokens with their top-k, {s['tokens_per_s']:,.1f} tok/s "
+              f"({s['compiles']} compiled shapes, {s['compile_s']:.1f}s compiling)")
     return 0
 
 
