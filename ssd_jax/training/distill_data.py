@@ -428,6 +428,7 @@ class DistillData:
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     info: dict[str, Any]
+    cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)  # derived plans (packing)
 
     @property
     def n(self) -> int:
