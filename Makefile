@@ -30,8 +30,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
-# the self-distillation recipe (checkpoints/README.md): target answers at T = 0 and 1 with their top-32,
-# then a KL + 0.1 CE run on them; both steps resume where they stopped. DRAFT_OUT is not the shipped
+# the self-distillation recipe (checkpoints/README.md): target answers at T = 0 and 1 with their top-32
+# (length-sorted batches, one device call each, a few compiled prompt widths), then a KL + 0.1 CE run
+# on them with sequences packed into the 512-token windows (--pack: each attends to itself only);
+# both steps resume where they stopped. DRAFT_OUT is not the shipped
 # checkpoints/smollm2-135m-draft: ship a finished run by copying its draft.json, best/ and token_counts.npz.
 DRAFT_TARGET ?= smollm2-135m-instruct
 DISTILL_DATA ?= runs/distill-$(DRAFT_TARGET)
@@ -44,7 +46,7 @@ draft: $(STAMP)
 	$(PY) -m ssd_jax.train distill-data --target $(DRAFT_TARGET) --out $(DISTILL_DATA) --n-prompts $(DISTILL_PROMPTS) \
 		--temperatures 0 1 --top-k 32 --max-new-tokens 128 --max-prompt-tokens 320 --batch-size 16 --shard-prompts 64
 	$(PY) -m ssd_jax.train --target $(DRAFT_TARGET) --size auto --loss distill --ce-weight 0.1 --data $(DISTILL_DATA) \
-		--steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
+		--pack --steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
 		--out $(DRAFT_OUT) --resume $(DRAFT_ARGS)
 
 bench: $(STAMP)

@@ -94,6 +94,7 @@ def test_resume_after_a_kill_between_shards(env, target, data_a):
         DD.load_distill_data(out)
     s = build(env, target, "data-b")
     assert (s["shards_kept"], s["shards_written"]) == (2, 4)
+    assert s["compiles"] == 0  # the prompt widths of data-a: nothing new to compile for more shards
     assert not list(out.glob(".*tmp*"))
     for a, b in zip(_arrays(data_a), _arrays(DD.load_distill_data(out))):
         np.testing.assert_array_equal(a, b)
@@ -220,6 +221,61 @@ def test_batches_align_top_k_with_the_predicted_token(data_a):
             assert np.array_equal(b["tokens"][r, pos + 1], b["topk_ids"][r, pos, 0])
 
 
+def _packed(data, L=128):
+    rows = D.batch_rows(data, 0, 0, 3, L, pack=True)
+    assert max(len(r) for r in rows) >= 2
+    return rows
+
+
+def test_packing_covers_each_sequence_once_per_epoch_and_is_a_function_of_seed_and_step(data_a):
+    L = 128
+    plan = D.pack_epoch(data_a, 0, 0, L)
+    assert sorted(e for r in plan for e in r) == list(range(data_a.n))
+    assert all(np.diff(data_a.offsets)[r].sum() <= L + 1 for r in plan)
+    # a fresh copy (no cached plans) gives the same rows for a late step, without the earlier steps
+    fresh = DD.load_distill_data(data_a.info["data"])
+    for step in (7, 0, 3):
+        assert D.batch_rows(fresh, step, 0, 3, L, True) == D.batch_rows(data_a, step, 0, 3, L, True)
+    assert D.batch_rows(fresh, 0, 1, 3, L, True) != D.batch_rows(fresh, 0, 0, 3, L, True)
+
+
+def _logits(params, cfg, tokens, positions=None, segments=None):
+    import jax
+
+    return np.asarray(jax.jit(T.causal_logits, static_argnums=1)(params, cfg, tokens, positions, segments))
+
+
+def test_packed_forward_equals_each_sequence_alone(target, data_a):
+    rows = _packed(data_a)
+    b = D.fill_rows(data_a, rows, 128)
+    z = _logits(target.params, target.cfg, b["tokens"][:, :-1], b["positions"], b["segments"])
+    alone = D.fill_rows(data_a, [[e] for r in rows for e in r], 128)  # one sequence a row, right-padded
+    za = _logits(target.params, target.cfg, alone["tokens"][:, :-1])
+    i = 0
+    for r, members in enumerate(rows):
+        o = 0
+        for e in members:
+            n = min(int(data_a.offsets[e + 1] - data_a.offsets[e]), 128 - o)  # the row's last token is a label only
+            np.testing.assert_allclose(z[r, o : o + n], za[i, :n], atol=2e-5, rtol=1e-5)
+            o, i = o + n, i + 1
+
+
+def test_packed_loss_equals_the_unpacked_loss_on_the_same_sequences(target, data_a):
+    import jax
+
+    draft = jax.tree.map(lambda x: x * 1.1, target.params)  # not the target itself: KL > 0
+    rows = _packed(data_a)
+    losses = []
+    for rr in (rows, [[e] for r in rows for e in r]):
+        b = D.fill_rows(data_a, rr, 128)
+        tokens = b["tokens"]
+        z = _logits(draft, target.cfg, tokens[:, :-1], b["positions"], b["segments"])
+        st = D.distill_stats(z, b["topk_ids"], b["topk_logprobs"], tokens[:, 1:])
+        losses.append([float(x) for x in D.distill_loss(st, b["mask"], 0.25)] + [b["mask"].sum()])
+    assert losses[0][1] > 1e-3
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
 # --- training on it --------------------------------------------------------------------------------
 def targs(env, data, out, **kw) -> T.TrainArgs:
     base = dict(target=str(env / "target"), size="40K", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup=1,
@@ -258,6 +314,23 @@ def test_distill_training_lowers_the_loss_and_resumes(env, run_a):
     chex.assert_trees_all_equal(a["opt_state"], b["opt_state"])
     with pytest.raises(UserError, match="ce-weight"):
         T.train(targs(env, "data-a", "run-b", resume=True, ce_weight=0.5), corpus=_heldout(env))
+
+
+def test_packed_training_resumes_with_the_same_batches(env, data_a):
+    kw = dict(pack=True, steps=4, eval_every=2, batch_size=2, seq_len=128)
+
+    def kill(step, rec):
+        if step == 3:
+            raise Killed
+
+    full = T.train(targs(env, "data-a", "run-p", **kw), corpus=_heldout(env))
+    with pytest.raises(Killed):
+        T.train(targs(env, "data-a", "run-q", **kw), corpus=_heldout(env), on_step=kill)
+    T.train(targs(env, "data-a", "run-q", resume=True, **kw), corpus=_heldout(env))
+    chex.assert_trees_all_equal(restore_state(env / "run-p", 4)["params"], restore_state(env / "run-q", 4)["params"])
+    assert full["timing"]["loss_tokens_per_s"] > 0
+    with pytest.raises(UserError, match="pack"):
+        T.train(targs(env, "data-a", "run-q", resume=True, **{**kw, "pack": False}), corpus=_heldout(env))
 
 
 @pytest.mark.slow  # default-suite budget (15 min on 2 cores): trimmed heads are tested in test_vocab_trim

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "top-k as one extra outcome (bucket) or the top-k renormalised (renorm)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="distill: train the head trimmed to the "
                    "N most frequent tokens, as --draft-vocab N decodes with it")
+    p.add_argument("--pack", action="store_true", help="distill: pack several sequences per window (each attends "
+                   "to itself only) instead of right-padding one")
     p.add_argument("--seed", type=int, default=d.seed, help="data order seed")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evaluations (0: at the end)")
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per evaluation")
@@ -61,7 +63,7 @@ def run_cli(argv=None) -> int:
         warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip, loss=a.loss, seed=a.seed,
         eval_every=a.eval_every, eval_windows=a.eval_windows, save_every=a.save_every, keep=a.keep,
         init_layers=a.init_layers, data=a.data, out=a.out, resume=a.resume, ce_weight=a.ce_weight,
-        distill_tail=a.distill_tail, draft_vocab=a.draft_vocab,
+        distill_tail=a.distill_tail, draft_vocab=a.draft_vocab, pack=a.pack,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -79,7 +81,8 @@ def run_cli(argv=None) -> int:
     if b:
         print(f"best by alpha: step {b['step']}, alpha {b['alpha']:.4f} -> {Path(s['out']) / dfmt.BEST_DIR}")
     if t["step_s"]:
-        print(f"speed: {1 / t['step_s']:.3f} steps/s, {t['tokens_per_s']:,.0f} tokens/s "
+        trained = f", {t['loss_tokens_per_s']:,.0f} with a loss" if t.get("loss_tokens_per_s") else ""
+        print(f"speed: {1 / t['step_s']:.3f} steps/s, {t['tokens_per_s']:,.0f} tokens/s{trained} "
               f"(first step incl. compile {t['first_step_s']:.1f}s, {t['steps']} timed steps)")
     return 0
 
@@ -100,7 +103,7 @@ def build_data_parser() -> argparse.ArgumentParser:
     p.add_argument("--sources", nargs="+", default=list(d.sources), help="prompt sources")
     p.add_argument("--seed", type=int, default=d.seed, help="prompt order and sampling seed")
     p.add_argument("--no-chat", action="store_true", help="raw prompts, without the chat template")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="generation and scoring batch")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="generation batch (prompts sorted by length)")
     p.add_argument("--shard-prompts", type=int, default=d.shard_prompts, help="prompts per shard file")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return p
@@ -120,8 +123,8 @@ def run_data_cli(argv) -> int:
     print(f"distillation data in {s['out']}: {s['shards']} shards ({s['shards_kept']} kept, {s['shards_written']} "
           f"written); train with --loss distill --data {s['out']}")
     if s["tokens_per_s"]:
-        print(f"speed: {s['gen_tokens']:,} generated tokens, {s['tokens_per_s']:,.1f} tok/s with scoring "
-              f"({s['gen_tokens_per_s']:,.1f} tok/s generation alone)")
+        print(f"speed: {s['gen_tokens']:,} generated tokens with their top-k, {s['tokens_per_s']:,.1f} tok/s "
+              f"({s['compiles']} compiled shapes, {s['compile_s']:.1f}s compiling)")
     return 0
 
 

@@ -40,8 +40,10 @@ from a per-epoch permutation seeded by (seed, epoch), so a resumed run sees the 
 
 Self-distillation (:mod:`ssd_jax.training.distill_data`, :mod:`ssd_jax.training.distill`):
 ``python -m ssd_jax.train distill-data`` stores the target's own answers to training prompts
-(T = 0 and 1, batched generation by the engine) with its top-k log-probabilities at every
-generated position, in resumable atomic shards; ``--loss distill --data DIR`` then trains on
+(T = 0 and 1; length-sorted batches, each one device call that also keeps the top-k of the
+logits it samples from) with its top-k log-probabilities at every generated position, in
+resumable atomic shards; ``--loss distill --data DIR`` (``--pack``: several sequences per
+window, each attending to itself only) then trains on
 them without running the target: KL to the stored top-k (the tail as one extra outcome, or the
 top-k renormalised: ``--distill-tail``), mixed with CE on the stored tokens by ``--ce-weight``,
 optionally through a head trimmed to ``--draft-vocab N`` tokens.

@@ -16,7 +16,7 @@ INIT_MODES = ("spread", "first", "none")
 # training arguments that must match when resuming (the others may change freely)
 RESUME_KEYS = (
     "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "loss", "seed", "init_layers", "data",
-    "ce_weight", "distill_tail", "draft_vocab",
+    "ce_weight", "distill_tail", "draft_vocab", "pack",
 )
 
 
@@ -38,6 +38,8 @@ class TrainArgs:
         outcome) or "renorm" (the top-k renormalised); :mod:`ssd_jax.training.distill`.
       draft_vocab: ``distill`` only: train the head trimmed to the N most frequent tokens, as
         ``--draft-vocab N`` will decode with it (None: the full head).
+      pack: ``distill`` only: several sequences per window, each attending to itself only
+        (:mod:`ssd_jax.training.distill`); off, one right-padded sequence per window.
       seed: data order (and random init with ``init_layers="none"``).
       eval_every: evaluate (and save) every this many steps; 0 only at the end.
       eval_windows: held-out windows per evaluation (rounded up to whole batches).
@@ -74,6 +76,7 @@ class TrainArgs:
     ce_weight: float = 0.0
     distill_tail: str = "bucket"
     draft_vocab: int | None = None
+    pack: bool = False
 
     def resolved(self) -> TrainArgs:
         warmup = self.warmup if self.warmup is not None else min(100, self.steps // 10)
@@ -103,8 +106,8 @@ class TrainArgs:
             raise UserError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
         if self.distill_tail not in TAILS:
             raise UserError(f"--distill-tail must be one of {', '.join(TAILS)}, got {self.distill_tail!r}")
-        if self.loss != "distill" and (self.draft_vocab is not None or self.ce_weight):
-            raise UserError("--draft-vocab and --ce-weight apply to --loss distill only")
+        if self.loss != "distill" and (self.draft_vocab is not None or self.ce_weight or self.pack):
+            raise UserError("--draft-vocab, --ce-weight and --pack apply to --loss distill only")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise UserError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
         if self.loss == "distill" and not (Path(self.data) / "manifest.json").is_file():
@@ -135,4 +138,4 @@ def eval_batch_count(args: TrainArgs) -> int:
 
 
 #: values a run's metadata implies for keys it predates (resuming such a run compares against these)
-RESUME_DEFAULTS = {"ce_weight": 0.0, "distill_tail": "bucket", "draft_vocab": None}
+RESUME_DEFAULTS = {"ce_weight": 0.0, "distill_tail": "bucket", "draft_vocab": None, "pack": False}

@@ -2,12 +2,22 @@
 
 Batches
 -------
-One example is one sequence (prompt + the target's continuation), right-padded to ``seq_len + 1``
-tokens (a longer one keeps its last ``seq_len + 1`` tokens, so the continuation stays and the
-prompt loses its start). Sequences are not packed: the draft sees exactly the context the target
-was scored with. Example ``step·B + b`` is entry ``(step·B + b) mod n`` of a permutation seeded
-by (seed, epoch), so the order is a pure function of (seed, step) and a resumed run sees the same
-batches. Only positions that predict a generated token carry a loss (``mask``).
+A window is ``seq_len + 1`` tokens; a sequence (prompt + the target's continuation) longer than that
+keeps its last ``seq_len + 1`` tokens, so the continuation stays and the prompt loses its start.
+Only input positions that predict a generated token of their own sequence carry a loss (``mask``).
+
+* Unpacked (default): one sequence per window, right-padded. Window ``g = step·B + b`` is entry
+  ``g mod n`` of a permutation seeded by (seed, epoch ``g div n``).
+* Packed (``pack=True``, ``--pack``): the sequences of an epoch, in the order of the same
+  permutation, go first-fit into windows (:func:`pack_epoch`). For SmolLM2's data (sequences of
+  ~230 tokens, half of them prompt) an unpacked 513-token window is 54% padding; packed windows hold
+  1.9 sequences and are 86% full, and a step trains 1.9x the tokens with a loss at the same cost. Each sequence keeps its own positions (restarting at 0) and a
+  segment id; attention is causal AND within the segment (:func:`ssd_jax.training.objective.causal_logits`),
+  so every sequence's logits are those of the sequence alone and the loss is the unpacked loss over
+  the same sequences. Window ``g`` is row ``g`` of the epochs' plans laid end to end.
+
+Either way the windows of a step are a pure function of (data, seed, step): a resumed run sees the
+same batches (the packed plans are recomputed from epoch 0, a few ms each, and cached on the data).
 
 Loss
 ----
@@ -46,7 +56,8 @@ from ssd_jax.training.args import TAILS
 from ssd_jax.training.distill_data import DistillData
 from ssd_jax.training.objective import MASKED_LOGIT, mask_head
 
-__all__ = ["TAILS", "distill_batch", "distill_loss", "distill_stats", "make_distill_step", "mask_head"]
+__all__ = ["TAILS", "batch_rows", "distill_batch", "distill_loss", "distill_stats", "fill_rows", "make_distill_step",
+           "mask_head", "pack_epoch"]
 _MASKED = MASKED_LOGIT
 
 
@@ -55,33 +66,88 @@ def _perm(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 7]).permutation(n)
 
 
-def distill_batch(data: DistillData, step: int, seed: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    """The examples of ``step``: ``tokens (B, L+1)``, ``topk_ids / topk_logprobs (B, L, K)`` for the
-    token each input position predicts, ``mask (B, L)`` (1 where that token was generated)."""
+def _window_lens(data: DistillData, seq_len: int) -> np.ndarray:
+    return np.minimum(np.diff(data.offsets), seq_len + 1)
+
+
+def pack_epoch(data: DistillData, seed: int, epoch: int, seq_len: int) -> list[list[int]]:
+    """The rows of one packed epoch: every sequence once, in the order of the epoch's permutation,
+    each put into the first row with room left for its window (first fit, rows of ``seq_len + 1``)."""
+    lens = _window_lens(data, seq_len)
+    room = np.zeros(data.n, np.int64)
+    rows: list[list[int]] = []
+    for e in _perm(seed, epoch, data.n):
+        n = int(lens[e])
+        r = int(np.argmax(room[: len(rows)] >= n)) if rows and room[: len(rows)].max() >= n else len(rows)
+        if r == len(rows):
+            rows.append([])
+            room[r] = seq_len + 1
+        rows[r].append(int(e))
+        room[r] -= n
+    return rows
+
+
+def _packed_row(data: DistillData, seed: int, g: int, seq_len: int) -> list[int]:
+    """Row ``g`` of the packed stream: the epochs' rows one after another (plans cached on ``data``)."""
+    plans = data.cache.setdefault(("pack", seed, seq_len), [])
+    epoch = 0
+    while True:
+        if epoch == len(plans):
+            plans.append(pack_epoch(data, seed, epoch, seq_len))
+        if g < len(plans[epoch]):
+            return plans[epoch][g]
+        g -= len(plans[epoch])
+        epoch += 1
+
+
+def batch_rows(data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool) -> list[list[int]]:
+    """The sequences of each row of ``step``: global row ``g = step·B + b`` is entry ``g mod n`` of
+    the permutation of epoch ``g div n`` (one sequence a row), or (``pack``) row ``g`` of the
+    concatenated packed epochs. Either way a pure function of (data, seed, step)."""
+    rows = range(step * batch, (step + 1) * batch)
+    if pack:
+        return [_packed_row(data, seed, g, seq_len) for g in rows]
+    return [[int(_perm(seed, g // data.n, data.n)[g % data.n])] for g in rows]
+
+
+def fill_rows(data: DistillData, rows: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
+    """The batch of ``rows`` (sequence ids per row): ``tokens (B, L+1)``; for the L input positions
+    ``positions`` and ``segments (B, L)`` (position in its sequence, restarting at 0; segment 1, 2,
+    ... per sequence, 0 for padding), ``topk_ids / topk_logprobs (B, L, K)`` for the token each
+    predicts and ``mask (B, L)`` (1 where that is a generated token of the same sequence)."""
     K = data.topk_ids.shape[1]
-    tokens = np.zeros((batch, seq_len + 1), np.int32)
-    ids = np.zeros((batch, seq_len, K), np.int32)
-    lps = np.zeros((batch, seq_len, K), np.float32)
-    lps[...] = -np.log(K)  # harmless values where mask = 0
-    mask = np.zeros((batch, seq_len), np.float32)
-    n = data.n
-    for b in range(batch):
-        g = step * batch + b
-        e = int(_perm(seed, g // n, n)[g % n])
-        lo, hi = int(data.offsets[e]), int(data.offsets[e + 1])
-        start = max(lo, hi - (seq_len + 1))
-        seq = data.tokens[start:hi]
-        tokens[b, : len(seq)] = seq
-        p_abs = lo + int(data.prompt_lens[e])  # first generated token
-        first = max(p_abs, start + 1)  # first generated token predicted inside the window
-        if first >= hi:
-            continue
-        rows = slice(int(data.gen_offsets[e]) + first - p_abs, int(data.gen_offsets[e]) + hi - p_abs)
-        pos = slice(first - start - 1, hi - start - 1)  # input positions predicting them
-        ids[b, pos] = data.topk_ids[rows]
-        lps[b, pos] = data.topk_logprobs[rows]
-        mask[b, pos] = 1.0
-    return {"tokens": tokens, "topk_ids": ids, "topk_logprobs": lps, "mask": mask}
+    B = len(rows)
+    tokens = np.zeros((B, seq_len + 1), np.int32)
+    positions = np.zeros((B, seq_len + 1), np.int32)
+    segments = np.zeros((B, seq_len + 1), np.int32)
+    ids = np.zeros((B, seq_len, K), np.int32)
+    lps = np.full((B, seq_len, K), -np.log(K), np.float32)  # harmless values where mask = 0
+    mask = np.zeros((B, seq_len), np.float32)
+    for b, members in enumerate(rows):
+        o = 0  # where the next sequence starts in the row
+        for j, e in enumerate(members):
+            lo, hi = int(data.offsets[e]), int(data.offsets[e + 1])
+            start = max(lo, hi - (seq_len + 1))  # a long sequence keeps its last L + 1 tokens
+            n = hi - start
+            tokens[b, o : o + n] = data.tokens[start:hi]
+            positions[b, o : o + n] = np.arange(n)
+            segments[b, o : o + n] = j + 1
+            p_abs = lo + int(data.prompt_lens[e])  # first generated token
+            first = max(p_abs, start + 1)  # first generated token predicted inside the window
+            if first < hi:
+                rows_k = slice(int(data.gen_offsets[e]) + first - p_abs, int(data.gen_offsets[e]) + hi - p_abs)
+                pos = slice(o + first - start - 1, o + hi - start - 1)  # input positions predicting them
+                ids[b, pos] = data.topk_ids[rows_k]
+                lps[b, pos] = data.topk_logprobs[rows_k]
+                mask[b, pos] = 1.0
+            o += n
+    return {"tokens": tokens, "positions": positions[:, :-1], "segments": segments[:, :-1],
+            "topk_ids": ids, "topk_logprobs": lps, "mask": mask}
+
+
+def distill_batch(data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool = False) -> dict[str, np.ndarray]:
+    """The examples of ``step`` (:func:`batch_rows`, :func:`fill_rows`)."""
+    return fill_rows(data, batch_rows(data, step, seed, batch, seq_len, pack), seq_len)
 
 
 def distill_stats(logits_q_BxTxV, topk_ids_BxTxK, topk_lp_BxTxK, labels_BxT, head_mask_V=None, tail: str = "bucket"):
@@ -139,7 +205,7 @@ def make_distill_step(cfg: ModelConfig, tail: str, ce_weight: float, optimizer) 
         tokens, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
 
         def loss_fn(p):
-            z = causal_logits({**frozen["shared"], **p}, cfg, tokens)
+            z = causal_logits({**frozen["shared"], **p}, cfg, tokens, batch["positions"], batch["segments"])
             st = distill_stats(z, batch["topk_ids"], batch["topk_logprobs"], labels, frozen.get("head_mask"), tail)
             loss, kl, ce = distill_loss(st, batch["mask"], ce_weight)
             return loss, (kl, ce, st["alpha_topk"])

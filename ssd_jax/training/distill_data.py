@@ -6,16 +6,23 @@
    training split only, never a prompt a benchmark may use; the sources in turn, so any prefix
    is balanced. Each prompt is cut to ``max_prompt_tokens`` tokens and wrapped as one user turn
    in the target's chat template (``chat``; raw text if the tokenizer has no template).
-2. **Continuations.** For each temperature, the prompts go through the engine's own batched
-   autoregressive generation (:func:`ssd_jax.engine.generate`, ``batch_size`` rows at a time,
-   up to ``max_new_tokens``, stopping at EOS, which is kept). The seed of each batch is a pure
-   function of (recipe seed, temperature index, shard, batch), so a regenerated shard is the same.
-3. **Top-k.** One teacher-forced pass of the target over prompt + continuation (batched,
-   causal; the head applied only at the generated positions, in chunks, so the full
-   ``B x T x V`` logits never exist at once) gives, for every generated position, the ``top_k`` token ids and log-probabilities
-   of the target's distribution at temperature 1 (whatever temperature sampled the token). The
-   stored log-probabilities are the real ones (not renormalised): ``1 - sum(exp)`` is the tail
-   mass the training loss uses.
+2. **Continuations and top-k, in one pass.** For each temperature, the shard's prompts are sorted by
+   length (stable) and cut into batches of ``batch_size``; each batch is one device call
+   (:func:`answer_program`): the prefill, then up to ``max_new_tokens`` decode steps in a
+   ``while_loop`` that stops once every row has emitted an EOS (kept). Each token is drawn exactly as
+   :func:`ssd_jax.engine.generate` draws it, and stored with the ``top_k`` token ids and
+   log-probabilities of the same logits at temperature 1 (whatever temperature sampled the token), so
+   no second, teacher-forced pass over prompt + continuation is needed. The stored log-probabilities
+   are the real ones (not renormalised): ``1 - sum(exp)`` is the tail mass the training loss uses.
+   The seed of each batch is a pure function of (recipe seed, temperature index, shard, batch), so a
+   regenerated shard is the same.
+3. **Static shapes.** A batch's prompts are right-padded to a multiple of 64 tokens (the width) and
+   its KV cache holds width + ``max_new_tokens`` slots; a short last batch is filled up with rows
+   that are never read. Sorted batches need little padding, and a whole run compiles one program per
+   width, at most ``ceil((chat template + max_prompt_tokens) / 64)`` of them, each once per process
+   (the summary and each shard's ``timing`` count them). Before (``generation`` 1 in the recipe),
+   batches in prompt order were padded to a power-of-two width of their longest prompt and then
+   scored by a second forward pass: about 80% of the prefill was padding.
 
 Storage (``DIR``)::
 
@@ -28,7 +35,8 @@ complete shards; a rerun with the same recipe skips them (resume) and regenerate
 prompt list is a prefix-stable function of the recipe, so a rerun with a larger ``n_prompts`` and
 everything else equal keeps the complete shards too. Any other change of the recipe or of the
 target is refused with a one-line error. The recipe key excludes nothing else: batch size and
-shard size change the sampled tokens at T > 0, so they are part of it.
+shard size change the sampled tokens at T > 0, so they are part of it, and so is ``generation`` (how
+batches are formed; data of generation 1 still load for training, but are not resumed).
 """
 
 from __future__ import annotations
@@ -51,8 +59,10 @@ from ssd_jax.errors import UserError
 MANIFEST = "manifest.json"
 FORMAT = "ssd_jax.distill"
 FORMAT_VERSION = 1
-_SCORE_CHUNK = 64  # positions per head application in the teacher-forced pass
-_PAD_TO = 128  # the teacher-forced pass is padded to a multiple of this (a few compiled shapes)
+_WIDTH = 64  # prompt widths are multiples of this: with length-sorted batches, a few compiled shapes
+# how continuations and top-k are made, part of the recipe key: 2 = length-sorted batches, the top-k
+# taken from the generation's own logits (1, before it: prompt order and a teacher-forced pass)
+GENERATION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +79,7 @@ class DistillRecipe:
       sources: prompt sources.
       seed: prompt order and sampling seed.
       chat: wrap prompts in the target's chat template.
-      batch_size: generation / scoring batch.
+      batch_size: generation batch (a shard's prompts are sorted by length first).
       shard_prompts: prompts per shard file (the unit of resume).
     """
 
@@ -100,6 +110,7 @@ class DistillRecipe:
         d.pop("n_prompts")
         d["temperatures"] = [float(t) for t in self.temperatures]
         d["sources"] = list(self.sources)
+        d["generation"] = GENERATION
         return d
 
 
@@ -177,7 +188,7 @@ def is_distill_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-# --- prompts and the teacher-forced pass -----------------------------------------------------
+# --- prompts and the generation ---------------------------------------------------------------
 def encode_prompt(tokenizer, text: str, max_tokens: int, chat: bool) -> list[int]:
     """``text`` cut to ``max_tokens`` tokens, then (``chat``) wrapped as one user turn."""
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -189,60 +200,93 @@ def encode_prompt(tokenizer, text: str, max_tokens: int, chat: bool) -> list[int
     return tokenizer.encode(text, add_special_tokens=True)[: max_tokens + 1]
 
 
-_SCORERS: dict[Any, Any] = {}
+_PROGRAMS: dict[Any, Any] = {}
 
 
-def topk_scorer(cfg, k: int):
-    """Jitted ``(params, tokens_BxT, pos_BxM) -> (logprobs_BxMxK, ids_BxMxK)``: the target's top-k
-    of the NEXT token at positions ``pos`` (the head runs on those rows only, M a multiple of the
-    chunk size)."""
-    key = (cfg, k)
-    if key in _SCORERS:
-        return _SCORERS[key]
+def answer_program(cfg, k: int, n_new: int, eos: tuple[int, ...]):
+    """The compiled ``(params, tokens_BxW, n_valid_B, live_B, key, rs) -> (tokens_BxN, logprobs_BxNxK,
+    ids_BxNxK)``: prefill, then up to ``n_new`` one-token steps in one device call (a
+    ``while_loop`` that stops when every live row has emitted an EOS). Token ``j`` of a row is drawn
+    exactly as :func:`ssd_jax.engine.generate` draws it (prefill with ``key``, step ``j`` with
+    ``fold_in(key, j)``) and stored with the top-k of the same logits at temperature 1, so no second,
+    teacher-forced pass is needed. Rows keep decoding after their EOS (the host cuts them there);
+    ``live_B = False`` marks filler rows of a short last batch. One program per prompt width W (the
+    cache holds ``W + n_new`` slots), counted by :class:`ssd_jax.compile.Compiled`."""
+    spec = (cfg, k, n_new, eos)
+    if spec in _PROGRAMS:
+        return _PROGRAMS[spec]
     import jax
     import jax.numpy as jnp
 
+    from ssd_jax.compile import Compiled
     from ssd_jax.models import llama
+    from ssd_jax.sampling.filters import sample
 
-    def score(params, tokens_BxT, pos_BxM):
-        B, T = tokens_BxT.shape
-        M = pos_BxM.shape[1]
-        hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T))
-        h_BxMxD = jnp.take_along_axis(hidden_BxTxD, pos_BxM[..., None], axis=1)
-        chunks = h_BxMxD.reshape(B, M // _SCORE_CHUNK, _SCORE_CHUNK, -1).swapaxes(0, 1)
+    eos_E = np.asarray(eos, np.int32)
 
-        def head(h_BxCxD):
-            lp = jax.nn.log_softmax(llama.logits(params, cfg, h_BxCxD).astype(jnp.float32), axis=-1)
-            return jax.lax.top_k(lp, k)
+    def answer(params, tokens_BxW, n_valid_B, live_B, key, rs):
+        B, W = tokens_BxW.shape
 
-        lp, ids = jax.lax.map(head, chunks)
-        return lp.swapaxes(0, 1).reshape(B, M, k), ids.swapaxes(0, 1).reshape(B, M, k).astype(jnp.int32)
+        def pick(key_t, h_BxD):
+            lg = llama.logits(params, cfg, h_BxD)
+            lp, ids = jax.lax.top_k(jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1), k)
+            return sample(key_t, lg, rs, False), lp, ids.astype(jnp.int32)
 
-    _SCORERS[key] = jax.jit(score)
-    return _SCORERS[key]
+        h, cache = llama.forward(params, cfg, tokens_BxW, llama.init_cache(cfg, B, W + n_new))
+        tok, lp, ids = pick(key, jnp.take_along_axis(h, (n_valid_B - 1)[:, None, None], axis=1)[:, 0])
+        out = (jnp.zeros((B, n_new), jnp.int32).at[:, 0].set(tok),
+               jnp.zeros((B, n_new, k), jnp.float32).at[:, 0].set(lp),
+               jnp.zeros((B, n_new, k), jnp.int32).at[:, 0].set(ids))
+        done = ~live_B | jnp.isin(tok, eos_E)
+
+        def more(c):
+            return (c[0] < n_new) & ~jnp.all(c[2])
+
+        def step(c):
+            t, cache, done, tok, out = c
+            h, cache = llama.forward(params, cfg, tok[:, None], cache)
+            tok, lp, ids = pick(jax.random.fold_in(key, t), h[:, 0])
+            out = tuple(o.at[:, t].set(x) for o, x in zip(out, (tok, lp, ids)))
+            return t + 1, cache.with_lengths(cache.lengths + 1), done | jnp.isin(tok, eos_E), tok, out
+
+        c = (jnp.int32(1), cache.with_lengths(n_valid_B), done, tok, out)
+        return jax.lax.while_loop(more, step, c)[-1]
+
+    _PROGRAMS[spec] = Compiled(answer, name="distill-answer")
+    return _PROGRAMS[spec]
 
 
-def _pad(n: int, m: int) -> int:
-    return max(m, -(-n // m) * m)
+def prompt_width(n: int) -> int:
+    """The prefill width of a batch whose longest prompt has ``n`` tokens: a multiple of ``_WIDTH``."""
+    return max(_WIDTH, -(-n // _WIDTH) * _WIDTH)
 
 
-def score_sequences(target, seqs: list[list[int]], prompt_lens: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k (log-probs, ids) of the target for every generated position of ``seqs``, stacked in
-    sequence order: rows ``(sum of continuation lengths, k)``. One causal pass over the batch
-    (padded to a multiple of ``_PAD_TO`` tokens); the head only on the generated positions."""
-    T = _pad(max(len(s) for s in seqs), _PAD_TO)
-    gens = [len(s) - p for s, p in zip(seqs, prompt_lens)]
-    M = _pad(max(gens), _SCORE_CHUNK)
-    tok = np.zeros((len(seqs), T), np.int32)
-    pos = np.zeros((len(seqs), M), np.int32)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        tok[i, : len(s)] = s
-        pos[i, : len(s) - p] = np.arange(p - 1, len(s) - 1)  # position j-1 predicts token j
-    lp, ids = topk_scorer(target.cfg, k)(target.params, tok, pos)
-    lp, ids = np.asarray(lp), np.asarray(ids)
-    out_lp = [lp[i, :g] for i, g in enumerate(gens)]
-    out_ids = [ids[i, :g] for i, g in enumerate(gens)]
-    return np.concatenate(out_lp).astype(np.float32), np.concatenate(out_ids).astype(np.int32)
+def answer_batch(target, prompts: list[list[int]], temperature: float, seed: int, recipe: DistillRecipe, eos):
+    """Continuations of ``prompts`` (at most ``batch_size``, padded to it with filler rows) with the
+    top-k of every generated position: one ``(continuation, finish reason, logprobs (n, k), ids (n, k))``
+    per prompt; a continuation ends at its first EOS (kept) or after ``max_new_tokens`` (``eos``: sorted ids)."""
+    import jax
+
+    from ssd_jax.decoding.batch import seed_key
+    from ssd_jax.sampling.filters import RowSampling, SamplingParams
+
+    B, N = recipe.batch_size, recipe.max_new_tokens
+    W = prompt_width(max(len(p) for p in prompts))
+    tokens = np.zeros((B, W), np.int32)
+    n_valid = np.ones(B, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)], n_valid[b] = p, len(p)
+    live = np.arange(B) < len(prompts)
+    prog = answer_program(target.cfg, recipe.top_k, N, eos)
+    rs = RowSampling.broadcast(SamplingParams(temperature=temperature), B)
+    key = seed_key(seed, jax.device_put)
+    out_tok, out_lp, out_ids = jax.device_get(prog(target.params, tokens, n_valid, live, key, rs))
+    rows = []
+    for b in range(len(prompts)):
+        hit = np.flatnonzero(np.isin(out_tok[b], eos))
+        n = int(hit[0]) + 1 if len(hit) else N
+        rows.append((out_tok[b, :n].tolist(), "eos" if len(hit) else "length", out_lp[b, :n], out_ids[b, :n]))
+    return rows
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -268,10 +312,9 @@ def build_distill_data(
     loading the target and :func:`training_prompts` (tests); ``on_shard(name)`` is called after
     each shard is written (tests use it to interrupt a run).
     """
-    from ssd_jax.engine import generate
+    from ssd_jax.decoding.batch import eos_ids
     from ssd_jax.loading import load_model
     from ssd_jax.loading.store import progress
-    from ssd_jax.sampling.filters import SamplingParams
 
     recipe.check()
     out = Path(out)
@@ -312,7 +355,9 @@ def build_distill_data(
     S, B = recipe.shard_prompts, recipe.batch_size
     n_shards = -(-len(prompts) // S)
     jobs = [(ti, t, s) for ti, t in enumerate(recipe.temperatures) for s in range(n_shards)]
-    stats = {"shards_written": 0, "shards_kept": 0, "gen_tokens": 0, "gen_s": 0.0, "score_s": 0.0}
+    eos = tuple(sorted(eos_ids(target)))
+    prog = answer_program(target.cfg, recipe.top_k, recipe.max_new_tokens, eos)
+    stats = {"shards_written": 0, "shards_kept": 0, "gen_tokens": 0, "gen_s": 0.0, "compiles": 0, "compile_s": 0.0}
     bar = progress(total=len(jobs), desc="distill-data", unit="shard", leave=True, mininterval=1.0)
     try:
         for ti, temp, s in jobs:
@@ -325,40 +370,39 @@ def build_distill_data(
                 continue
             recs = prompts[s * S : (s + 1) * S]
             p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
-            seqs, plens, finish = [], [], []
-            lps, tids = [], []
-            timing = {"gen_s": 0.0, "score_s": 0.0, "gen_tokens": 0}
-            for b in range(0, len(p_ids), B):
-                batch = p_ids[b : b + B]
-                sp = SamplingParams(temperature=float(temp), max_new_tokens=recipe.max_new_tokens,
-                                    seed=int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1))
-                t0 = time.perf_counter()
-                res = generate(target, batch, sp)
+            longest = max(len(p) for p in p_ids)
+            if longest + recipe.max_new_tokens > target.cfg.max_position_embeddings:
+                raise UserError(f"a prompt of {longest} tokens + --max-new-tokens {recipe.max_new_tokens} exceeds the "
+                                f"context window of {recipe.target} ({target.cfg.max_position_embeddings} tokens)")
+            # batches of similar lengths (stable sort): little prefill padding, and a few prompt widths
+            # over the whole run, each compiled once
+            order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]))
+            answers = [None] * len(p_ids)  # (continuation, finish reason, top-k log-probs, top-k ids)
+            timing = {"gen_s": 0.0, "gen_tokens": 0, "compiles": 0, "compile_s": 0.0}
+            for b in range(0, len(order), B):
+                rows = order[b : b + B]
+                seed = int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1)
+                c0, cs0, t0 = prog.compiles, prog.compile_s, time.perf_counter()
+                for i, a in zip(rows, answer_batch(target, [p_ids[i] for i in rows], float(temp), seed, recipe, eos)):
+                    answers[i] = a
+                    timing["gen_tokens"] += len(a[0])
                 timing["gen_s"] += time.perf_counter() - t0
-                bs = [list(p) + list(o["token_ids"]) for p, o in zip(batch, res.outputs)]
-                t0 = time.perf_counter()
-                lp, tid = score_sequences(target, bs, [len(p) for p in batch], recipe.top_k)
-                timing["score_s"] += time.perf_counter() - t0
-                timing["gen_tokens"] += sum(len(o["token_ids"]) for o in res.outputs)
-                seqs += bs
-                plens += [len(p) for p in batch]
-                finish += [o["finish_reason"] for o in res.outputs]
-                lps.append(lp)
-                tids.append(tid)
-                done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s", "score_s")}
-                bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'] + done['score_s'], 1e-9):,.0f} tok/s",
-                                    refresh=False)
-            for k in ("gen_tokens", "gen_s", "score_s"):
+                timing["compiles"] += prog.compiles - c0
+                timing["compile_s"] += prog.compile_s - cs0
+                done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s")}
+                bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'], 1e-9):,.0f} tok/s", refresh=False)
+            seqs = [list(p) + a[0] for p, a in zip(p_ids, answers)]
+            for k in timing:
                 stats[k] += timing[k]
             arrays = {
                 "tokens": np.concatenate([np.asarray(q, np.int32) for q in seqs]),
                 "offsets": np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
-                "prompt_lens": np.asarray(plens, np.int32),
-                "topk_ids": np.concatenate(tids),
-                "topk_logprobs": np.concatenate(lps),
+                "prompt_lens": np.asarray([len(p) for p in p_ids], np.int32),
+                "topk_ids": np.concatenate([a[3] for a in answers]),
+                "topk_logprobs": np.concatenate([a[2] for a in answers]),
             }
             meta = {"key": key_sha, "temperature": float(temp), "shard": s, "prompt_ids": shard_ids,
-                    "finish_reasons": finish, "timing": timing}  # timing includes any compilation
+                    "finish_reasons": [a[1] for a in answers], "timing": timing}  # timing includes compilation
             write_atomic(out / name, shard_bytes(arrays, meta))
             stats["shards_written"] += 1
             bar.update(1)
@@ -366,9 +410,7 @@ def build_distill_data(
                 on_shard(name)
     finally:
         bar.close()
-    busy = stats["gen_s"] + stats["score_s"]
-    stats["tokens_per_s"] = stats["gen_tokens"] / busy if busy else None
-    stats["gen_tokens_per_s"] = stats["gen_tokens"] / stats["gen_s"] if stats["gen_s"] else None
+    stats["tokens_per_s"] = stats["gen_tokens"] / stats["gen_s"] if stats["gen_s"] else None
     return {"out": str(out), "shards": len(jobs), **stats}
 
 
@@ -386,6 +428,7 @@ class DistillData:
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     info: dict[str, Any]
+    cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)  # derived plans (packing)
 
     @property
     def n(self) -> int:

@@ -176,7 +176,7 @@ def train(
             log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
         train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
         frozen_step = {k: v for k, v in frozen.items() if k != "target"}
-        next_batch = lambda step: distill_batch(distill, step, args.seed, args.batch_size, args.seq_len)
+        next_batch = lambda step: distill_batch(distill, step, args.seed, args.batch_size, args.seq_len, args.pack)
     else:
         train_step = make_train_step(cfg, tcfg, args.loss, opt)
         frozen_step = frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None}
@@ -212,6 +212,7 @@ def train(
     bar = progress(total=args.steps, initial=start, desc="train", unit="step", leave=True, mininterval=1.0)
     t_first = None
     times: list[float] = []
+    loss_tokens = 0.0  # distill: tokens with a loss in the timed steps
     last_eval = meta["evals"][-1] if meta["evals"] else None
     try:
         for step in range(start, args.steps):
@@ -224,6 +225,7 @@ def train(
                 t_first = dt
             else:
                 times.append(dt)
+                loss_tokens += metrics.get("tokens", 0.0)
             done = step + 1
             rec = {"step": done, "lr": float(sched(step)), **metrics}
             run.append_log(_finite(rec))
@@ -258,6 +260,7 @@ def train(
             "steps": len(times),
             "step_s": (sum(times) / len(times)) if times else None,
             "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
+            "loss_tokens_per_s": loss_tokens / sum(times) if times and loss_tokens else None,
             "device": str(jax.devices()[0].platform),
         }
         meta.setdefault("timing_history", []).append(timing)

@@ -14,12 +14,24 @@ from ssd_jax.models.config import ModelConfig
 from ssd_jax.training.args import TrainArgs
 
 
-def causal_logits(params, cfg: ModelConfig, tokens_BxT):
-    """Logits of a causal pass over whole sequences (the shared forward, with a fresh KV cache)."""
+def causal_logits(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, segments_BxT=None):
+    """Logits of a causal pass over whole sequences (the shared forward, with a fresh KV cache).
+
+    Packed rows: ``positions_BxT`` are each token's RoPE position in its own sequence and
+    ``segments_BxT`` its sequence's id in the row; a token then attends to the earlier tokens of its
+    own segment only, so each sequence's logits are those of the sequence alone.
+    """
+    import jax.numpy as jnp
+
     from ssd_jax.models import llama
 
     B, T = tokens_BxT.shape
-    hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T))
+    mask_BxTxT = None
+    if segments_BxT is not None:
+        same_BxTxT = segments_BxT[:, :, None] == segments_BxT[:, None, :]
+        mask_BxTxT = same_BxTxT & jnp.tril(jnp.ones((T, T), bool))[None]
+    hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T),
+                                    positions_BxT=positions_BxT, mask_BxTxS=mask_BxTxT)
     return llama.logits(params, cfg, hidden_BxTxD)
 
 
