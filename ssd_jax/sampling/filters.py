@@ -116,9 +116,30 @@ def filter_logprobs(logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) 
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def is_key_batch(key: jax.Array) -> bool:
+    """True for a (B,) batch of keys, False for a single key (typed ``jax.random.key`` or raw uint32)."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return key.ndim == (1 if typed else 2)
+
+
+def fold_in(key: jax.Array, data) -> jax.Array:
+    """``jax.random.fold_in`` for one key, or row by row for a (B,) batch of row keys (``data`` a scalar
+    or (B,)): the samplers take either, so a server can give each request its own key stream."""
+    if not is_key_batch(key):
+        return jax.random.fold_in(key, data)
+    data = jnp.broadcast_to(jnp.asarray(data, jnp.uint32), key.shape[:1])
+    return jax.vmap(jax.random.fold_in)(key, data)
+
+
 def sample(key: jax.Array, logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) -> jax.Array:
-    """One token per row: argmax for greedy rows, a draw from the filtered distribution otherwise."""
+    """One token per row: argmax for greedy rows, a draw from the filtered distribution otherwise.
+
+    ``key``: one key for the batch, or a (B,) batch of row keys; row b's draw then depends only on
+    its own key (the same draw as a batch of one with that key)."""
     greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     lp = filter_logprobs(logits_BxV, rs, needs_filter)
-    drawn = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
-    return jnp.where(rs.temperature > 0, drawn, greedy)
+    if is_key_batch(key):
+        drawn = jax.vmap(lambda k, lp_1xV: jax.random.categorical(k, lp_1xV, axis=-1))(key, lp[:, None])[:, 0]
+    else:
+        drawn = jax.random.categorical(key, lp, axis=-1)
+    return jnp.where(rs.temperature > 0, drawn.astype(jnp.int32), greedy)
