@@ -39,6 +39,7 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams  # n = 1; this sequence's seed
     sink: Callable[[str, object], None]
+    index: int = 0  # the sample's index in its request: folded into the key after the first
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -204,6 +205,8 @@ class Engine:
                 self._admit_one(b, s)
             if self.active.any():
                 self._round()
+            with self._cv:
+                self._gauges()
 
     def _drop_cancelled(self) -> None:
         for b, s in enumerate(self.slots):
@@ -219,7 +222,7 @@ class Engine:
 
     def _admit_one(self, b: int, s: Sequence) -> None:
         p, sp, ids = self._put, s.sampling, s.prompt_ids
-        key = row_key(sp.seed, 0)
+        key = row_key(sp.seed, s.index)
         rs1 = self._rs(np.array([sp.temperature], np.float32), np.array([sp.top_k], np.int32),
                        np.array([sp.top_p], np.float32))
         dparams = self.draft.params if self.draft is not None else None
