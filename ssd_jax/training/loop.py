@@ -26,6 +26,9 @@ from ssd_jax.training.draft_model import (
 )
 from ssd_jax.training.objective import evaluate, make_eval_step, make_optimizer, make_train_step
 
+#: where ``--keep-evals`` exports the draft of every evaluation (``<run>/evals/<step>/``)
+EVALS_DIR = "evals"
+
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()}
@@ -202,10 +205,18 @@ def train(
         bmeta.pop("evals", None)
         run.export(run.best_dir, params, bmeta)
 
+    def snapshot(step: int, m: dict[str, Any]) -> None:  # --keep-evals: the draft at this eval, for learning curves
+        if args.keep_evals:
+            smeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
+            smeta.pop("evals", None)
+            run.export(run.path / EVALS_DIR / str(step), params, smeta)
+
     due = start == args.steps or (bool(args.eval_every) and start % args.eval_every == 0)
     if due and not any(e["step"] == start for e in meta["evals"]):
         # step 0, or a kill between saving an eval step's state and recording its evaluation
-        export_best(start, do_eval(start))
+        m0 = do_eval(start)
+        export_best(start, m0)
+        snapshot(start, m0)
         dfmt.write_json_atomic(run.meta_path, meta)
 
     tokens_per_step = args.batch_size * args.seq_len
@@ -250,6 +261,7 @@ def train(
                 meta["step"] = done
                 if is_eval or final:
                     export_best(done, last_eval)
+                    snapshot(done, last_eval)
                 dfmt.write_json_atomic(run.meta_path, meta)
             if on_step is not None:
                 on_step(done, rec)
