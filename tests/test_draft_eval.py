@@ -113,6 +113,8 @@ def test_verdict_reads_the_intervals():
     overlap = [_size(1, 0.8, 0.7, 0.9), _size(2, 1.0, 0.9, 1.1), _size(3, 0.95, 0.88, 1.02)]
     v = sv.verdict(overlap, n_opt=1e6)
     assert v.startswith("The optimum is NOT resolved") and "3 layers" in v and "not the measured best" in v
+    overlap[1].update(next_vs_this=(0.95, 0.93, 0.97), next_depth=3)  # paired: size 3 / size 2
+    assert "the best size runs at 1.053x [1.031, 1.075] over 3 layers (excludes 1)" in sv.verdict(overlap)
     edge = [_size(1, 0.5, 0.4, 0.6), _size(2, 0.7, 0.65, 0.75), _size(3, 0.9, 0.85, 0.95)]
     v = sv.verdict(edge)
     assert "NOT bracketed" in v and "largest" in v and "Every size is slower than AR" in v
@@ -207,9 +209,10 @@ def test_summary_and_report_from_protocol_rows(tmp_path):
     s2 = summ["sizes"][1]
     assert s2["seeds"] == [0, 1] and s2["sd_vs_ar"][0] == pytest.approx(1.2 * (1 + 0.0025), rel=1e-3)
     assert s2["law_sd_vs_ar"] == pytest.approx(float(sv.sdsl.speedup(0.2, 4, 2e6, 1e7)))
+    assert summ["sizes"][0]["next_vs_this"] == pytest.approx((1.5, 1.5, 1.5)) and s2["next_depth"] == 3
     assert summ["verdict"].startswith("The optimum is resolved at 2 layers") and "the measured best" in summ["verdict"]
     md = sv.render(v, summ, rows)
-    assert "| 2 | 2.00M | 0.50 | 0, 1 | 1.20x [" in md and summ["verdict"] in md and "| L3-s1 | 3 | 1 | 6 |" in md
+    assert "| 2 | 2.00M | 0.50 | 0, 1 | 1.20x [" in md and "| 0.75x [0.75, 0.75] | 0.200 |" in md and summ["verdict"] in md and "| L3-s1 | 3 | 1 | 6 |" in md
     assert sv.plot(summ, tmp_path / "p.png").stat().st_size > 0
 
 

@@ -20,7 +20,9 @@ Does the throughput-optimal draft size sit where the law (:mod:`ssd_jax.analysis
    count) and with its real per-token reads (layers + the shared head); per draft, its own
    interval. :func:`verdict` says from the numbers whether the optimum is resolved: the best
    size's interval is above both neighbours' (resolved), overlaps one (not resolved), or the
-   best is the smallest or largest size measured (the optimum is not bracketed).
+   best is the smallest or largest size measured (the optimum is not bracketed). Where the
+   intervals overlap it adds the paired ratio of the best size over that neighbour on the same
+   prompts and repeats (``next_vs_this``), which is sharper than comparing two intervals.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def summarize(v: Validation, drafts: Sequence[dict], rows: Sequence[dict]) -> di
     for r in runs:
         by_method[r["method"]].append(r)
     per_draft, by_depth = [], defaultdict(list)
+    log_speed: dict[int, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
     for d in drafts:
         mine = by_method.get(method_name(v, d), [])
         pairs = [((r["category"], r["prompt_index"]), r["decode_tok_s"] / ar[key]["decode_tok_s"])
@@ -208,6 +211,9 @@ def summarize(v: Validation, drafts: Sequence[dict], rows: Sequence[dict]) -> di
                "k": sum(ks) / len(ks) if ks else None, "best_eval": d.get("best")}
         per_draft.append(rec)
         by_depth[d["depth"]].append((rec, pairs))
+        keyed = {(r["category"], r["prompt_index"], r["repeat"]): r["decode_tok_s"] for r in mine if r["decode_tok_s"] > 0}
+        for key, x in keyed.items():
+            log_speed[d["depth"]][key].append(math.log(x))
     sizes = []
     for depth in sorted(by_depth):
         recs = [x[0] for x in by_depth[depth]]
@@ -222,6 +228,12 @@ def summarize(v: Validation, drafts: Sequence[dict], rows: Sequence[dict]) -> di
                       "acceptance": a, "k": k,
                       "law_sd_vs_ar": _law(a, k, r0["N"], r0["M"]),
                       "law_sd_vs_ar_reads": _law(a, k, r0["reads_per_token"], r0["M"])})
+    for a, b in zip(sizes, sizes[1:]):  # paired on the same (prompt, repeat): the next size over this one
+        ka, kb = log_speed[a["depth"]], log_speed[b["depth"]]
+        pairs = [((key[0], key[1]), math.exp(sum(kb[key]) / len(kb[key]) - sum(ka[key]) / len(ka[key])))
+                 for key in ka if key in kb]
+        a["next_vs_this"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
+        a["next_depth"] = b["depth"]
     n_opt = drafts[0]["n_opt_law"] if drafts else None
     return {"drafts": per_draft, "sizes": sizes, "n_opt_law": n_opt,
             "law_depth": drafts[0].get("law_depth") if drafts else None, "verdict": verdict(sizes, n_opt)}
@@ -250,6 +262,18 @@ def verdict(sizes: Sequence[dict], n_opt: float | None = None) -> str:
     if over:
         text = (f"The optimum is NOT resolved: the best size, {desc(best)}, has an interval that overlaps its "
                 f"neighbour{'s' if len(over) > 1 else ''} {'; '.join(desc(s) for s in over)}.")
+        paired = []
+        for s in over:  # the paired comparison on the same prompts is sharper than the overlap of two intervals
+            j = ok.index(s)
+            lo_s, hi_s = ok[min(i, j)], ok[max(i, j)]
+            r = lo_s.get("next_vs_this")
+            if r is None or lo_s.get("next_depth") != hi_s["depth"] or math.isnan(r[1]):
+                continue
+            m, lo, hi = r if j < i else tuple(1 / x for x in (r[0], r[2], r[1]))  # best / neighbour
+            paired.append(f"{m:.3f}x [{lo:.3f}, {hi:.3f}] over {s['depth']} layers"
+                          + (" (excludes 1)" if lo > 1 or hi < 1 else " (includes 1)"))
+        if paired:
+            text += " Paired on the same prompts, the best size runs at " + "; ".join(paired) + "."
     elif i in (0, len(ok) - 1):
         edge = "smallest" if i == 0 else "largest"
         text = (f"The optimum is NOT bracketed: the best size is the {edge} one measured, {desc(best)}, above its "
@@ -302,12 +326,13 @@ def render(v: Validation, summary: dict[str, Any], rows: Sequence[dict]) -> str:
              "t-interval across prompts (repeats and seeds of a prompt averaged first). Law: E[tau](alpha, K) M / "
              "(M + K N) with the measured acceptance alpha and the K used; N = the draft's layers (the law's count) "
              "or its real per-token reads (layers + the shared output head).", "",
-             "| layers | N | reads/token vs target | seeds | SD/AR [95% CI] | acceptance | K | law SD/AR (N) "
-             "| law SD/AR (reads) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| layers | N | reads/token vs target | seeds | SD/AR [95% CI] | next size / this, paired [95% CI] "
+             "| acceptance | K | law SD/AR (N) | law SD/AR (reads) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summary["sizes"]:
+        nxt = _ci(s["next_vs_this"]) if "next_vs_this" in s else "-"
         lines.append(f"| {s['depth']} | {s['N'] / 1e6:.2f}M | {s['reads_per_token'] / s['M']:.2f} "
-                     f"| {', '.join(map(str, s['seeds']))} | {_ci(s['sd_vs_ar'])} | {_f(s['acceptance'])} "
+                     f"| {', '.join(map(str, s['seeds']))} | {_ci(s['sd_vs_ar'])} | {nxt} | {_f(s['acceptance'])} "
                      f"| {_f(s['k'], 1)} | {_f(s['law_sd_vs_ar'], 2)} | {_f(s['law_sd_vs_ar_reads'], 2)} |")
     lines += ["", f"**{summary['verdict']}**", "", "## Per draft", "",
               "| draft | layers | seed | runs | SD/AR [95% CI] | acceptance | tokens/round | K | best held-out "
