@@ -175,7 +175,12 @@ def train(
         from ssd_jax.training.distill import distill_batch, make_distill_step
 
         if args.draft_vocab is not None:
-            frozen["head_mask"] = jax.device_put(_head_mask(target, args.draft_vocab, run.path), dev)
+            mask = _head_mask(target, args.draft_vocab, run.path)
+            ids = np.flatnonzero(mask).astype(np.int32)
+            col = np.full(mask.shape, -1, np.int32)
+            col[ids] = np.arange(ids.size, dtype=np.int32)
+            # evaluation masks full-width logits; the train step computes the kept rows only
+            frozen.update(jax.device_put({"head_mask": mask, "head_ids": ids, "head_col": col}, dev))
             log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
         train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
         frozen_step = {k: v for k, v in frozen.items() if k != "target"}
