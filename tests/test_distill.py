@@ -381,6 +381,9 @@ def test_trimmed_head_training(env, data_a, monkeypatch):
     monkeypatch.setattr(vocab, "draft_token_counts", lambda model, source=None: counts)
     s = T.train(targs(env, "data-a", "run-v", steps=2, eval_every=0, draft_vocab=100), corpus=_heldout(env))
     assert s["step"] == 2 and np.isfinite(s["eval"]["alpha"])
+    from ssd_jax import load_model
+
+    assert vocab.head_vocab(load_model(env / "run-v")) == 100  # it decodes with the head it was trained with
     with pytest.raises(UserError, match="--loss distill only"):
         T.TrainArgs(target="x", draft_vocab=100, loss="kl").check()
 
