@@ -3,12 +3,14 @@
 #   make test   creates .venv with the test extras and runs the test suite
 #   make kernels  builds the CPU matmul kernel into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
+#   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
+#                 benchmark protocol (many CPU hours; rerun to resume)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test test-slow install kernels bench draft clean
+.PHONY: demo test test-slow install kernels bench distill-data draft sdsl-validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,12 +44,30 @@ DRAFT_STEPS ?= 3000
 DRAFT_OUT ?= runs/$(DRAFT_TARGET)-draft-distill
 DRAFT_ARGS ?=
 
-draft: $(STAMP)
+distill-data: $(STAMP)
 	$(PY) -m ssd_jax.train distill-data --target $(DRAFT_TARGET) --out $(DISTILL_DATA) --n-prompts $(DISTILL_PROMPTS) \
 		--temperatures 0 1 --top-k 32 --max-new-tokens 128 --max-prompt-tokens 320 --batch-size 16 --shard-prompts 64
+
+# --keep-evals exports the draft at every evaluation (evals/<step>/, ~42 MB each for 3 layers) for
+# `python -m ssd_jax.train learning-curve $(DRAFT_OUT) --out ...`
+draft: distill-data
 	$(PY) -m ssd_jax.train --target $(DRAFT_TARGET) --size auto --loss distill --ce-weight 0.1 --data $(DISTILL_DATA) \
 		--pack --steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
-		--out $(DRAFT_OUT) --resume $(DRAFT_ARGS)
+		--out $(DRAFT_OUT) --resume --keep-evals $(DRAFT_ARGS)
+
+# SDSL validation (issue 14): the law's depth x 1/3, 2/3, 1, 4/3, 2 (SmolLM2: 1, 2, 3, 4, 6 layers), seeds 0 and 1,
+# the draft recipe above with SDSL_STEPS steps each (runs in SDSL_RUNS; finished runs are skipped), then AR and
+# every draft's SD at K = 4 interleaved under the protocol (4 categories x 8 prompts x 3 repeats, chat template);
+# writes $(SDSL_OUT)/{sdsl.md,summary.json,sdsl.png,protocol.jsonl,protocol.md,drafts.json}. Rerun to resume.
+SDSL_STEPS ?= 1000
+SDSL_RUNS ?= runs/sdsl-$(DRAFT_TARGET)
+SDSL_OUT ?= experiments/results/sdsl_$(DRAFT_TARGET)
+SDSL_ARGS ?=
+
+sdsl-validate: distill-data
+	$(PY) -m ssd_jax.sdsl validate --target $(DRAFT_TARGET) --data $(DISTILL_DATA) --seeds 0 1 --steps $(SDSL_STEPS) \
+		--batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 --ce-weight 0.1 --k 4 \
+		--n-prompts 8 --repeats 3 --new-tokens 64 --runs $(SDSL_RUNS) --out $(SDSL_OUT) $(SDSL_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m ssd_jax.bench

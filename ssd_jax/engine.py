@@ -83,5 +83,10 @@ def generate(
     res.metrics["compile_s"] += calib_s
     if spec.draft_vocab is not None:
         res.metrics["draft_vocab"] = spec.draft_vocab
+    elif spec.method != "ar":
+        from ssd_jax.drafters.vocab import head_vocab
+
+        if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
+            res.metrics["draft_vocab"] = n
     return res
 

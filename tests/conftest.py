@@ -4,6 +4,14 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run: both xdist workers and every subprocess the
+# tests start (CLI, launcher, GPU-script smoke run) compile many of the same tiny programs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"ssd_jax-test-jit-cache-{_run}")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest  # noqa: E402
 

@@ -161,7 +161,7 @@ def _np_reference(z, ids, lp, labels, head_mask, tail):
 
 
 @pytest.mark.parametrize("tail", ["bucket", "renorm"])
-@pytest.mark.parametrize("trimmed", [False, True])
+@pytest.mark.parametrize("trimmed", [False, "mask", "gather"])
 def test_topk_kl_matches_numpy(tail, trimmed):
     rng = np.random.default_rng(1)
     B, Tn, V, K = 2, 5, 40, 6
@@ -175,12 +175,18 @@ def test_topk_kl_matches_numpy(tail, trimmed):
     if trimmed:
         mask = np.ones(V, bool)
         mask[ids[0, 0, 1]] = mask[ids[1, 2, 0]] = mask[30:] = False  # some top-k ids and a tail cut off
-    st = D.distill_stats(z, ids, lp, labels, mask, tail)
+    if trimmed == "gather":  # the train step's form: logits of the kept ids only, and each id's column
+        kept = np.flatnonzero(mask).astype(np.int32)
+        col = np.full(V, -1, np.int32)
+        col[kept] = np.arange(kept.size)
+        st = D.distill_stats(z[..., kept], ids, lp, labels, None, tail, col)
+    else:
+        st = D.distill_stats(z, ids, lp, labels, mask, tail)
     kl, ce = _np_reference(z, ids, lp, labels, mask, tail)
     np.testing.assert_allclose(np.asarray(st["kl"]), kl, rtol=1e-4, atol=1e-5)
     ok = np.asarray(st["ce_ok"])
     np.testing.assert_allclose(np.asarray(st["ce"])[ok], ce[ok], rtol=1e-5)
-    assert trimmed == (not ok.all())
+    assert bool(trimmed) == (not ok.all())
     # KL is 0 for a draft equal to the target (untrimmed): the bucket form is exact then
     if not trimmed:
         st0 = D.distill_stats(zt.astype(np.float32), ids, lp, labels, None, tail)
@@ -276,6 +282,40 @@ def test_packed_loss_equals_the_unpacked_loss_on_the_same_sequences(target, data
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
 
 
+def test_gathered_head_loss_and_grads_equal_the_masked_full_head(target, data_a):
+    """The train step computes a trimmed head's kept rows only; loss and gradients are those of the
+    full head with the other ids masked (what decoding's trimmed draft samples from)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ssd_jax.training.objective import causal_hidden, kept_logits
+
+    cfg, V = target.cfg, target.cfg.vocab_size
+    mask = np.zeros(V, bool)
+    mask[np.random.default_rng(3).permutation(V)[: V // 3]] = True
+    ids = np.flatnonzero(mask).astype(np.int32)
+    col = np.full(V, -1, np.int32)
+    col[ids] = np.arange(ids.size)
+    b = D.fill_rows(data_a, [[0], [1]], 64)
+    tokens, labels = b["tokens"][:, :-1], b["tokens"][:, 1:]
+
+    def loss(params, gathered):
+        h = causal_hidden(params, cfg, tokens, b["positions"], b["segments"])
+        if gathered:
+            st = D.distill_stats(kept_logits(params, cfg, h, ids), b["topk_ids"], b["topk_logprobs"], labels,
+                                 None, "bucket", col)
+        else:
+            st = D.distill_stats(T.causal_logits(params, cfg, tokens, b["positions"], b["segments"]), b["topk_ids"],
+                                 b["topk_logprobs"], labels, jnp.asarray(mask))
+        return D.distill_loss(st, b["mask"], 0.1)[0]
+
+    draft = jax.tree.map(lambda x: x * 1.05, target.params)
+    (la, ga), (lb, gb) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(draft, g) for g in (True, False))
+    assert float(la) > 1e-3
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
+    chex.assert_trees_all_close(ga, gb, rtol=1e-4, atol=1e-6)
+
+
 # --- training on it --------------------------------------------------------------------------------
 def targs(env, data, out, **kw) -> T.TrainArgs:
     base = dict(target=str(env / "target"), size="40K", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup=1,
@@ -341,6 +381,9 @@ def test_trimmed_head_training(env, data_a, monkeypatch):
     monkeypatch.setattr(vocab, "draft_token_counts", lambda model, source=None: counts)
     s = T.train(targs(env, "data-a", "run-v", steps=2, eval_every=0, draft_vocab=100), corpus=_heldout(env))
     assert s["step"] == 2 and np.isfinite(s["eval"]["alpha"])
+    from ssd_jax import load_model
+
+    assert vocab.head_vocab(load_model(env / "run-v")) == 100  # it decodes with the head it was trained with
     with pytest.raises(UserError, match="--loss distill only"):
         T.TrainArgs(target="x", draft_vocab=100, loss="kl").check()
 

@@ -75,8 +75,9 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow), "shipped",
-                                     "shipped-vocab2048"])
+# default-suite budget (15 min on 2 cores): the shipped draft runs by default with its trimmed head
+@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow),
+                                     pytest.param("shipped", marks=pytest.mark.slow), "shipped-vocab2048"])
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
     or the trained draft shipped in checkpoints/ (the default draft of this target), also with its
@@ -167,6 +168,7 @@ def test_chat_template_is_applied(ours):
     assert o["text"].strip()
 
 
+@pytest.mark.slow  # default-suite budget: SSD's exactness runs on tiny pairs by default (test_exactness, test_ssd)
 def test_ssd_greedy_equals_ar_on_smollm(ours):
     """Real target; the draft is its first 8 layers (shares the vocabulary, agrees often enough to hit)."""
     import dataclasses

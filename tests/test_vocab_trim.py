@@ -41,8 +41,13 @@ def test_trimmed_head_is_the_full_head_on_kept_ids_and_minus_inf_elsewhere(tied)
     np.testing.assert_allclose(trimmed[..., ids], full[..., ids], rtol=1e-6, atol=1e-6)
     out = np.setdiff1d(np.arange(V), ids)
     assert np.all(np.isneginf(trimmed[..., out]))
-    with pytest.raises(UserError, match="already"):
-        dv.trim_draft(t, ids)
+    if tied:  # re-cut from the whole embedding (a draft trained trimmed, given another --draft-vocab)
+        t2 = dv.trim_draft(t, ids[: KEEP // 2])
+        assert t2.params["head"].shape == (KEEP // 2, m.cfg.hidden_size)
+        assert "head" not in dv.full_head(t).params and dv.head_vocab(t) == KEEP and dv.head_vocab(m) is None
+    else:  # the untied head's other rows were dropped
+        with pytest.raises(UserError, match="already"):
+            dv.trim_draft(t, ids)
 
 
 def test_kept_ids_are_deterministic_with_ties_to_the_smaller_id_and_keep_specials():
@@ -236,3 +241,21 @@ def test_spec_config_refuses_bad_draft_vocab(bad):
     with pytest.raises(UserError, match="positive integer"):
         SpecConfig(method="sd", draft="x", draft_vocab=bad).validate()
     SpecConfig(method="sd", draft="x", draft_vocab=np.int64(3)).validate()
+
+
+def test_a_draft_trained_trimmed_loads_with_its_head(tmp_path):
+    """draft.json's training arguments name the head a draft was trained with; loading cuts it then."""
+    import json
+
+    from ssd_jax.loading.draft import trained_head_vocab
+
+    d = tmp_path / "draft"
+    (d / "best" / "params").mkdir(parents=True)
+    (d / "draft.json").write_text(json.dumps({"train": {"args": {"draft_vocab": 64}}}))
+    assert trained_head_vocab(d / "state" / "7") == (64, d)  # a training step of the run
+    assert trained_head_vocab(tmp_path / "elsewhere" / "params") is None
+    (d / "best" / "draft.json").write_text(json.dumps({"train": {"args": {"draft_vocab": 32}}}))
+    assert trained_head_vocab(d / "best" / "params") == (32, d / "best")  # the nearest draft.json
+    assert trained_head_vocab(d) == (64, d)
+    (d / "best" / "draft.json").write_text(json.dumps({"train": {"args": {}}}))
+    assert trained_head_vocab(d / "best" / "params") is None  # trained with the full head

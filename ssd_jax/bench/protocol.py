@@ -146,33 +146,49 @@ class EngineRunner:
                 "token_ids": [o["token_ids"] for o in res.outputs]}
 
 
-def method_specs(names: Sequence[str], draft=None) -> dict[str, Any]:
+def method_specs(names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
     K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. ``sd:K:vN`` /
-    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``)."""
+    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``).
+
+    ``sd:K@DRAFT`` / ``ssd:K@DRAFT`` use the draft ``DRAFT`` (a name or path, loaded once by
+    ``load_draft``) instead of ``draft``, so one run can interleave drafts of several sizes; the
+    method is named ``sd-kK@<last path component of DRAFT>``."""
     from ssd_jax.decoding.spec import SpecConfig
 
-    out = {}
+    usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN; sd:K@DRAFT)"
+    out, loaded, labels = {}, {}, {}
     for n in names:
-        kind, *rest = n.split(":")
+        body, at, ref = n.partition("@")
+        kind, *rest = body.split(":")
         try:
             k = rest[0] if rest and rest[0] == "auto" else int(rest[0]) if rest and rest[0] else 4
             vocab = int(rest[1][1:]) if len(rest) > 1 and rest[1].startswith("v") else None
         except ValueError:
-            raise UserError(f"bad method {n!r} (ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN)") from None
+            raise UserError(f"bad method {n!r} {usage}") from None
         if len(rest) > 2 or (len(rest) == 2 and vocab is None) or (vocab is not None and kind not in ("sd", "ssd")):
-            raise UserError(f"bad method {n!r} (ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN)")
+            raise UserError(f"bad method {n!r} {usage}")
+        if at and (kind not in ("sd", "ssd") or not ref):
+            raise UserError(f"bad method {n!r}: only sd and ssd take @DRAFT {usage}")
         suffix = f"-k{k}" + (f"-v{vocab}" if vocab else "")
         if kind == "ar":
             out["ar"] = SpecConfig()
         elif kind == "ngram":
             out[f"ngram{suffix}"] = SpecConfig(method="sd", draft="ngram", k=k)
         elif kind in ("sd", "ssd"):
-            if draft is None:
+            d = draft
+            if at:
+                label = Path(ref.rstrip("/")).name or ref
+                if labels.setdefault(label, ref) != ref:
+                    raise UserError(f"drafts {labels[label]!r} and {ref!r} would both be named {label!r}")
+                if ref not in loaded:
+                    loaded[ref] = load_draft(ref) if load_draft is not None else ref
+                d, suffix = loaded[ref], f"{suffix}@{label}"
+            if d is None:
                 raise UserError(f"method {n} needs a draft model")
-            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=draft, k=k, draft_vocab=vocab)
+            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=d, k=k, draft_vocab=vocab)
         else:
-            raise UserError(f"unknown method {n!r} (ar, sd:K, ngram:K, ssd:K)")
+            raise UserError(f"unknown method {n!r} {usage}")
     if "ar" not in out:
         raise UserError("the protocol needs the ar method: every ratio is against it")
     return out
@@ -377,13 +393,17 @@ def suite(args) -> Path:
     from ssd_jax.bench.suites import measure_bandwidth
 
     target = ssd_jax.load_model(args.target, dtype=args.dtype)
-    needs_draft = any(m.split(":")[0] in ("sd", "ssd") for m in args.methods)
+    needs_draft = any(m.split(":")[0] in ("sd", "ssd") and "@" not in m for m in args.methods)
     draft = load_draft(args.draft, target) if needs_draft else None
-    specs = method_specs(args.methods, draft)
+    specs = method_specs(args.methods, draft, lambda ref: load_draft(ref, target))
     bw = args.bandwidth or measure_bandwidth()
     env_extra = {"target": target.name, "draft": draft.name if draft else None, "bandwidth_gb_s": bw,
                  "roofline_ar_tok_s_per_row": ar_roofline(target.cfg, bw),
                  "weights": {m.name: m.weights_sha256 for m in (target, draft) if m is not None}}
+    at_drafts = {n: s.draft for n, s in specs.items() if "@" in n}
+    if at_drafts:  # the drafts of sd:K@DRAFT methods, by method
+        env_extra["method_drafts"] = {n: {"name": d.name, "weights_sha256": getattr(d, "weights_sha256", None)}
+                                      for n, d in at_drafts.items()}
     import jax
 
     path = Path(args.out) / (f"protocol_{jax.default_backend()}" + (f"_{args.tag}" if args.tag else "") + ".jsonl")

@@ -11,6 +11,10 @@ claim follows: ``--methods ar sd:4 ngram:4 ssd:4`` interleaved per prompt, >= 8 
 category (code, chat, math, copy), >= 3 repeats, batch sizes ``--batch-sizes 1 16``; it writes
 ``experiments/results/protocol_<backend>[_<tag>].{jsonl,md}`` and resumes a killed run.
 ``--protocol-report FILE.jsonl`` re-renders its table.
+
+Suite ``acceptance`` (:mod:`ssd_jax.bench.acceptance`): the draft's acceptance by position and
+category on the benchmark prompts at ``--temperatures`` (default 0 1) and ``--ks`` (default 4),
+written to ``experiments/results/acceptance_<backend>[_<tag>].{json,md}``.
 """
 
 from __future__ import annotations
@@ -26,9 +30,17 @@ from ssd_jax.cli.args import Parser
 from ssd_jax.errors import cli_main
 
 
+def _suite_defaults(args, argv, defaults: dict) -> None:
+    """A suite's own defaults (flag -> (attribute, value)) for the flags not given on the command line."""
+    given = argv if argv is not None else sys.argv[1:]
+    for flag, (attr, val) in defaults.items():
+        if flag not in given:
+            setattr(args, attr, val)
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper", "protocol"],
+    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper", "protocol", "acceptance"],
                    help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/bench/sweep.py) "
                         "written to <out>/<suite>/ with a report")
     p.add_argument("--ssd-k", type=int, default=4)
@@ -48,10 +60,12 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
     p.add_argument("--methods", nargs="+", default=["ar", "sd:4", "ngram:4", "ssd:4"],
                    help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
-                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N); ar is required")
+                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
+                   "can be compared in one run); ar is required")
     p.add_argument("--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order")
     p.add_argument("--seed", type=int, default=0, help="protocol: seed of --order shuffle")
-    p.add_argument("--chat", action="store_true", help="protocol: wrap prompts in the target's chat template")
+    p.add_argument("--chat", action="store_true", help="protocol, acceptance: wrap prompts in the target's chat template")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: sampling temperatures")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="protocol: read bandwidth in GB/s for the AR roofline (default: measured)")
     p.add_argument("--protocol-report", metavar="RESULTS_JSONL", help="re-render a protocol results file's table")
@@ -81,16 +95,17 @@ def main(argv=None) -> int:
     if args.protocol_report:
         print(f"wrote {protocol.write_report(args.protocol_report)}", file=sys.stderr)
         return 0
-    if args.suite == "protocol":
-        given = argv if argv is not None else sys.argv[1:]
-        defaults = {"--n-prompts": ("n_prompts", 8), "--categories": ("categories", list(protocol.CATEGORIES)),
-                    "--batch-sizes": ("batch_sizes", [1]), "--new-tokens": ("new_tokens", 64)}
-        for flag, (attr, val) in defaults.items():
-            if flag not in given:
-                setattr(args, attr, val)
+    if args.suite in ("protocol", "acceptance"):  # the protocol's defaults (acceptance: K = 4, not a batch size)
+        from ssd_jax.bench import acceptance
+
+        own = {"--ks": ("ks", [4])} if args.suite == "acceptance" else {"--batch-sizes": ("batch_sizes", [1])}
+        _suite_defaults(args, argv, {"--n-prompts": ("n_prompts", 8),
+                                     "--categories": ("categories", list(protocol.CATEGORIES)),
+                                     "--new-tokens": ("new_tokens", 64), **own})
+        mod = acceptance if args.suite == "acceptance" else protocol
 
         def go(_):
-            print(f"wrote {protocol.suite(args)}", file=sys.stderr)
+            print(f"wrote {mod.suite(args)}", file=sys.stderr)
             return 0
 
         return cli_main(go, None)

@@ -1,5 +1,8 @@
 """``python -m ssd_jax.sdsl``: the SDSL draft size and lookahead for a target, from the command line.
 
+``python -m ssd_jax.sdsl validate``: train drafts of several sizes around the law's N_opt and
+measure them under the benchmark protocol (:mod:`ssd_jax.bench.sdsl_validation`).
+
 The law itself is :mod:`ssd_jax.analysis.sdsl` (pure math over parameter counts); this module
 adds what needs real models: :func:`model_params` counts a registered or local model's
 parameters from its config (``--target``), reading no weights where a config is on disk.
@@ -190,7 +193,86 @@ def _print_text(o: dict[str, Any]) -> None:
               f"M0 = {f['M0']:.4g} (paper {f['paper_M0']:.3g}, {100 * f['M0_rel_err']:+.1f}%), R^2 = {f['r2']:.5f}")
 
 
+def build_validate_parser() -> argparse.ArgumentParser:
+    from ssd_jax.bench import protocol
+    from ssd_jax.bench.sdsl_validation import Validation
+    from ssd_jax.training.args import LOSSES
+
+    d = Validation(target="", data="", runs="", out="")
+    p = Parser(prog="python -m ssd_jax.sdsl validate",
+               description="SDSL validation: train drafts of >= 4 sizes around N_opt with several seeds (resumable), "
+                           "measure AR and every draft's SD interleaved under the benchmark protocol, and report "
+                           "SD/AR with 95%% intervals against size beside the law's prediction.")
+    p.add_argument("--target", required=True, help="registry name or path of the target")
+    p.add_argument("--data", required=True, help="distill-data directory (python -m ssd_jax.train distill-data), or "
+                   "the --data of another --loss")
+    p.add_argument("--out", required=True, help="results directory (sdsl.md, summary.json, sdsl.png, protocol.jsonl)")
+    p.add_argument("--runs", default=None, help="training runs directory (default: runs/sdsl-<target>)")
+    p.add_argument("--sizes", nargs="+", default=None, metavar="SIZE", help="draft sizes: layer counts (3L) or "
+                   "non-embedding parameter counts (10M); default: the law's depth x 1/3, 2/3, 1, 4/3, 2")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds), help="training seeds (data order) per size")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows)
+    p.add_argument("--loss", choices=LOSSES, default=d.loss)
+    p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="distill: loss = (1-W) KL + W CE")
+    p.add_argument("--no-pack", action="store_true", help="distill: one sequence per window (default: packed)")
+    p.add_argument("--k", default=str(d.k), help="SD lookahead in the measurement: an integer or auto")
+    p.add_argument("--categories", nargs="+", default=list(d.categories), choices=list(protocol.CATEGORIES))
+    p.add_argument("--n-prompts", type=int, default=d.n_prompts, help="prompts per category")
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--no-chat", action="store_true", help="raw prompts (default: the chat template)")
+    p.add_argument("--no-train", action="store_true", help="measure the drafts already trained (drafts.json)")
+    p.add_argument("--report-only", action="store_true", help="only re-render the report from the files on disk")
+    return p
+
+
+def _depths(sizes, cfg) -> tuple[int, ...] | None:
+    from ssd_jax.training.draft_model import size_draft
+
+    if not sizes:
+        return None
+    out = []
+    for s in sizes:
+        if s.upper().endswith("L") and s[:-1].isdigit():
+            out.append(int(s[:-1]))
+        else:
+            out.append(size_draft(cfg, s)[0].num_layers)
+    return tuple(out)
+
+
+def run_validate(argv) -> int:
+    from ssd_jax.bench import sdsl_validation as sv
+
+    a = build_validate_parser().parse_args(argv)
+    k = a.k if a.k == "auto" else int(a.k) if a.k.isdigit() else None
+    if k is None or k == 0:
+        raise UserError(f"--k must be a positive integer or auto, got {a.k!r}")
+    cfg = _config_of(a.target)
+    v = sv.Validation(
+        target=a.target, data=a.data, out=a.out, runs=a.runs or f"runs/sdsl-{Path(str(a.target).rstrip('/')).name}",
+        depths=_depths(a.sizes, cfg), seeds=tuple(a.seeds), steps=a.steps, batch_size=a.batch_size,
+        seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every, eval_windows=a.eval_windows, loss=a.loss,
+        ce_weight=a.ce_weight, pack=not a.no_pack, k=k, categories=tuple(a.categories), n_prompts=a.n_prompts,
+        repeats=a.repeats, new_tokens=a.new_tokens, chat=not a.no_chat,
+    )
+    if a.report_only:
+        md = sv.report(v)
+    else:
+        md = sv.validate(v, cfg, train=not a.no_train, log=lambda m: print(m, file=sys.stderr))
+    print(f"wrote {md}")
+    print(json.loads((Path(a.out) / "summary.json").read_text())["verdict"])
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["validate"]:
+        return cli_main(run_validate, argv[1:])
     return cli_main(run, argv)
 
 

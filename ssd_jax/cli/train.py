@@ -3,6 +3,10 @@
 ``python -m ssd_jax.train distill-data --target NAME --out DIR``: generate the self-distillation
 data (the target's continuations of training prompts with its top-k log-probabilities,
 :mod:`ssd_jax.training.distill_data`); then ``python -m ssd_jax.train --loss distill --data DIR``.
+
+``python -m ssd_jax.train learning-curve RUN... --out DIR``: acceptance against training tokens
+from runs' evaluations and, for ``--keep-evals`` runs, SD on held-out prompts
+(:mod:`ssd_jax.bench.learning_curve`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-windows", type=int, default=d.eval_windows, help="held-out windows per evaluation")
     p.add_argument("--save-every", type=int, default=None, help="steps between saves (default: each evaluation)")
     p.add_argument("--keep", type=int, default=d.keep, help="training states kept")
+    p.add_argument("--keep-evals", action="store_true", help="also export the draft at every evaluation to "
+                   "<out>/evals/<step>/ (for 'learning-curve')")
     p.add_argument("--init-layers", default=d.init_layers, help="spread, first, none or target layer indices (0,15,29)")
     p.add_argument("--data", default=d.data, help="'corpus' (shipped prompt sets), a .txt/.jsonl file, or a "
                    "distill-data directory (--loss distill)")
@@ -63,7 +69,7 @@ def run_cli(argv=None) -> int:
         warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip, loss=a.loss, seed=a.seed,
         eval_every=a.eval_every, eval_windows=a.eval_windows, save_every=a.save_every, keep=a.keep,
         init_layers=a.init_layers, data=a.data, out=a.out, resume=a.resume, ce_weight=a.ce_weight,
-        distill_tail=a.distill_tail, draft_vocab=a.draft_vocab, pack=a.pack,
+        distill_tail=a.distill_tail, draft_vocab=a.draft_vocab, pack=a.pack, keep_evals=a.keep_evals,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -128,10 +134,47 @@ def run_data_cli(argv) -> int:
     return 0
 
 
+def build_curve_parser() -> argparse.ArgumentParser:
+    from ssd_jax.bench.protocol import CATEGORIES
+
+    p = Parser(prog="python -m ssd_jax.train learning-curve",
+               description="Acceptance against training tokens: each run's evaluations and, where the run kept its "
+                           "drafts (--keep-evals), SD acceptance on held-out benchmark prompts.")
+    p.add_argument("runs", nargs="+", help="training run directories")
+    p.add_argument("--out", required=True, help="directory for learning_curve.{json,md,png}")
+    p.add_argument("--k", type=int, default=4, help="SD lookahead")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=list(CATEGORIES))
+    p.add_argument("--n-prompts", type=int, default=4, help="held-out prompts per category")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-chat", action="store_true", help="raw prompts (default: the chat template)")
+    p.add_argument("--no-sd", action="store_true", help="only the training evaluations (loads no model)")
+    return p
+
+
+def run_curve_cli(argv) -> int:
+    from ssd_jax.bench import learning_curve
+    from ssd_jax.bench.protocol import category_prompts
+
+    a = build_curve_parser().parse_args(argv)
+    target = records = None
+    if not a.no_sd and any(learning_curve.snapshots(Path(r)) for r in a.runs):
+        from ssd_jax.loading import load_model
+
+        target = load_model(dfmt.read_meta(Path(a.runs[0]))["target"]["name"])
+        records = {c: category_prompts(c, a.n_prompts) for c in a.categories}
+    md = learning_curve.write(a.runs, a.out, target=target, records=records, k=a.k, temperature=a.temperature,
+                              new_tokens=a.new_tokens, chat=not a.no_chat, log=lambda m: print(m, file=sys.stderr))
+    print(f"wrote {md}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["distill-data"]:
         return cli_main(run_data_cli, argv[1:])
+    if argv[:1] == ["learning-curve"]:
+        return cli_main(run_curve_cli, argv[1:])
     return cli_main(run_cli, argv)
 
 

@@ -5,7 +5,7 @@ emitted per verify step INCLUDING the bonus token (so plain AR would score 1.0);
 ``per_position_acceptance[j]`` = P(proposal j accepted | position j was reached and drafted);
 ``acceptance_histogram[k]`` = rounds (over live rows) that accepted exactly k proposals.
 
-Per request, ``accepted_per_round`` lists the accepted count of each of its verify rounds
+Per request, ``drafted`` counts its proposals and ``accepted_per_round`` lists the accepted count of each of its verify rounds
 (the round emitted that many draft tokens plus one bonus / correction token), and for SSD
 ``cache_hit_per_round`` says whether that round's speculation came from the speculation
 cache. The host stores one small array per round and builds the lists once at the end.
@@ -50,6 +50,7 @@ class AcceptanceStats:
         r, d, a = self.row_rounds[b], self.row_drafted[b], self.row_accepted[b]
         out = {
             "verify_steps": int(r),
+            "drafted": int(d),
             "acceptance_rate": float(a / d) if d else 0.0,
             "mean_acceptance_length": float((a + r) / r) if r else 0.0,
             "accepted_per_round": [int(n[b]) for live, n, _ in self._rounds if live[b]],

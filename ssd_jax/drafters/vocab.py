@@ -169,12 +169,15 @@ def trim_draft(model, head_ids: np.ndarray):
     """``model`` with its output head cut to the rows ``head_ids`` (``llama.trimmed_logits``).
 
     The untied ``lm_head`` is replaced by its slice (the full matrix is not kept); a tied
-    embedding stays for the input lookup and the slice is a separate N-row ``head``.
+    embedding stays for the input lookup and the slice is a separate N-row ``head``. A tied
+    draft that is trimmed already (one trained with ``--draft-vocab``) is re-cut from its embedding.
     """
     import jax.numpy as jnp
 
     if "head_ids" in model.params:
-        raise UserError(f"draft {model.name} already has a trimmed head")
+        if not model.cfg.tie_embeddings:
+            raise UserError(f"draft {model.name} already has a trimmed head")
+        model = full_head(model)
     params = dict(model.params)
     src = params["embed"] if model.cfg.tie_embeddings else params.pop("lm_head")
     ids = jnp.asarray(np.asarray(head_ids, np.int32))
@@ -184,13 +187,44 @@ def trim_draft(model, head_ids: np.ndarray):
     return dataclasses.replace(model, params=params)
 
 
+def full_head(model):
+    """A tied draft with a trimmed head back on its whole embedding (every token proposable)."""
+    if "head_ids" not in model.params:
+        return model
+    if not model.cfg.tie_embeddings:
+        raise UserError(f"draft {model.name} has a trimmed untied head: its other rows are not loaded")
+    params = {k: v for k, v in model.params.items() if k not in ("head", "head_ids")}
+    return dataclasses.replace(model, params=params)
+
+
+def head_vocab(draft: Any) -> int | None:
+    """Tokens in a draft's trimmed head: a loaded model's, or what a draft given by name or path
+    loads with (``trained_head_vocab``). None: the full head, or no draft model."""
+    from ssd_jax.loading.draft import resolve_draft, trained_head_vocab
+
+    params = getattr(draft, "params", None)
+    if isinstance(params, dict):
+        return int(params["head_ids"].shape[0]) if "head_ids" in params else None
+    if isinstance(draft, (str, os.PathLike)) and str(draft) not in ("ngram", "random"):
+        d = resolve_draft(draft)
+        head = trained_head_vocab(d) if d is not None else None
+        return head[0] if head else None
+    return None
+
+
+def trim_to(model, n: int, source: Any):
+    """``model`` with the ``n``-token head of the counts stored with ``source`` (its draft directory)."""
+    counts = draft_token_counts(model, source)
+    return trim_draft(model, kept_ids(counts, n, always_kept(model.tokenizer)))
+
+
 def trimmed_draft(draft: Any, n: int, load: Callable[[str], Any]):
-    """The draft of a spec (a name / path, or a loaded model) with its head cut to ``n`` tokens."""
+    """The draft of a spec (a name / path, or a loaded model) with its head cut to ``n`` tokens
+    (``n`` = the vocabulary: the full head, also for a draft trained with a trimmed one)."""
     model = load(draft) if isinstance(draft, str) else draft
     vocab = model.cfg.vocab_size
     if not 1 <= n <= vocab:
         raise UserError(f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}")
     if n == vocab:  # every token kept: the full head is the trimmed head
-        return model
-    counts = draft_token_counts(model, draft)
-    return trim_draft(model, kept_ids(counts, n, always_kept(model.tokenizer)))
+        return full_head(model)
+    return trim_to(model, n, draft)

@@ -98,6 +98,23 @@ def resolve_draft(name_or_path: str | os.PathLike) -> Path | None:
     return None
 
 
+def trained_head_vocab(source: str | os.PathLike) -> tuple[int, Path] | None:
+    """``(N, draft directory)`` when the model loaded from ``source`` (a :class:`LoadedModel`'s
+    ``source``: a draft's ``params/`` or ``state/<step>``) is a draft trained with ``--draft-vocab N``:
+    it decodes with that trimmed head by default (:func:`ssd_jax.drafters.vocab.trim_draft`, the
+    kept ids from the ``token_counts.npz`` it was trained with). None otherwise."""
+    p = Path(str(source))
+    for d in (p, *list(p.parents)[:3]):
+        if is_draft_dir(d):
+            try:
+                with open(d / DRAFT_META) as fh:
+                    n = json.load(fh).get("train", {}).get("args", {}).get("draft_vocab")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return (int(n), d) if n else None
+    return None
+
+
 def is_draft_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / DRAFT_META).is_file()
 

@@ -38,6 +38,8 @@ class TrainArgs:
         outcome) or "renorm" (the top-k renormalised); :mod:`ssd_jax.training.distill`.
       draft_vocab: ``distill`` only: train the head trimmed to the N most frequent tokens, as
         ``--draft-vocab N`` will decode with it (None: the full head).
+      keep_evals: also export the draft at every evaluation to ``evals/<step>/`` (a loadable
+        draft each, for :mod:`ssd_jax.bench.learning_curve`); off, only ``best/`` is exported.
       pack: ``distill`` only: several sequences per window, each attending to itself only
         (:mod:`ssd_jax.training.distill`); off, one right-padded sequence per window.
       seed: data order (and random init with ``init_layers="none"``).
@@ -77,6 +79,7 @@ class TrainArgs:
     distill_tail: str = "bucket"
     draft_vocab: int | None = None
     pack: bool = False
+    keep_evals: bool = False
 
     def resolved(self) -> TrainArgs:
         warmup = self.warmup if self.warmup is not None else min(100, self.steps // 10)

@@ -150,16 +150,36 @@ def distill_batch(data: DistillData, step: int, seed: int, batch: int, seq_len: 
     return fill_rows(data, batch_rows(data, step, seed, batch, seq_len, pack), seq_len)
 
 
-def distill_stats(logits_q_BxTxV, topk_ids_BxTxK, topk_lp_BxTxK, labels_BxT, head_mask_V=None, tail: str = "bucket"):
-    """Per-position ``kl``, ``ce`` (the label's), ``ce_ok`` (label kept by the head) and ``alpha_topk``."""
+def distill_stats(logits_q_BxTxC, topk_ids_BxTxK, topk_lp_BxTxK, labels_BxT, head_mask_V=None, tail: str = "bucket",
+                  col_of_V=None):
+    """Per-position ``kl``, ``ce`` (the label's), ``ce_ok`` (label kept by the head) and ``alpha_topk``.
+
+    The draft's logits come in one of three forms:
+
+    * full head: ``(B, T, V)``, both maps None;
+    * trimmed by a mask: ``(B, T, V)`` and ``head_mask_V`` (V,) bool, the ids the head keeps;
+    * trimmed by gathering (what training steps use): ``(B, T, N)``, the logits of the kept ids
+      only (:func:`ssd_jax.training.objective.kept_logits`), and ``col_of_V`` (V,) int32, each
+      id's column there or -1. Same statistics as the mask form, at N/V of the cost.
+    """
     import jax
     import jax.numpy as jnp
 
-    z = mask_head(logits_q_BxTxV.astype(jnp.float32), head_mask_V)
+    z = logits_q_BxTxC.astype(jnp.float32)
+    if head_mask_V is not None:
+        z = mask_head(z, head_mask_V)
+        col_of_V = jnp.where(head_mask_V, jnp.arange(head_mask_V.shape[0], dtype=jnp.int32), -1)
+    C = z.shape[-1]
     lq = jax.nn.log_softmax(z, axis=-1)
-    lq_k = jnp.take_along_axis(lq, topk_ids_BxTxK, axis=-1)
+    if col_of_V is None:
+        cols, lcol = topk_ids_BxTxK, labels_BxT
+        kept, ce_ok = jnp.ones(cols.shape, bool), jnp.ones(lcol.shape, bool)
+    else:
+        cols, lcol = col_of_V[topk_ids_BxTxK], col_of_V[labels_BxT]
+        kept, ce_ok = cols >= 0, lcol >= 0
+        cols, lcol = jnp.maximum(cols, 0), jnp.maximum(lcol, 0)
+    lq_k = jnp.take_along_axis(lq, cols, axis=-1)
     lp_k = topk_lp_BxTxK.astype(jnp.float32)
-    kept = jnp.ones_like(lp_k, bool) if head_mask_V is None else head_mask_V[topk_ids_BxTxK]
     lp_kept = jnp.where(kept, lp_k, -jnp.inf)
     p_k = jnp.exp(lp_kept)
     term = jnp.where(kept, p_k * (lp_k - lq_k), 0.0)
@@ -167,17 +187,17 @@ def distill_stats(logits_q_BxTxV, topk_ids_BxTxK, topk_lp_BxTxK, labels_BxT, hea
         lpn = lp_kept - jax.scipy.special.logsumexp(lp_kept, axis=-1, keepdims=True)
         kl = jnp.sum(jnp.where(kept, jnp.exp(lpn) * (lpn - lq_k), 0.0), axis=-1)
     else:
-        # the tails: the target's mass off the kept top-k; the draft's mass off the top-k (masked ids
-        # have q = 0 already)
+        # the tails: the target's mass off the kept top-k; the draft's mass off the top-k (ids the
+        # head drops have q = 0 already)
         log_pt = jnp.log(jnp.clip(-jnp.expm1(jax.scipy.special.logsumexp(lp_kept, axis=-1)), 1e-30, 1.0))
-        B, T, K = topk_ids_BxTxK.shape
-        off = lq.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], topk_ids_BxTxK].set(-jnp.inf)
+        B, T, K = cols.shape
+        at = jnp.where(kept, cols, C)  # out of range: dropped
+        off = lq.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], at].set(-jnp.inf, mode="drop")
         log_qt = jnp.maximum(jax.scipy.special.logsumexp(off, axis=-1), _MASKED)
         pt = jnp.exp(log_pt)
         kl = jnp.sum(term, axis=-1) + jnp.where(pt > 1e-12, pt * (log_pt - log_qt), 0.0)
-    ce = -jnp.take_along_axis(lq, labels_BxT[..., None], axis=-1)[..., 0]
-    ce_ok = jnp.ones_like(ce, bool) if head_mask_V is None else head_mask_V[labels_BxT]
-    alpha = jnp.sum(jnp.minimum(p_k, jnp.exp(lq_k)), axis=-1)
+    ce = -jnp.take_along_axis(lq, lcol[..., None], axis=-1)[..., 0]
+    alpha = jnp.sum(jnp.where(kept, jnp.minimum(p_k, jnp.exp(lq_k)), 0.0), axis=-1)
     return {"kl": kl, "ce": jnp.where(ce_ok, ce, 0.0), "ce_ok": ce_ok, "alpha_topk": alpha}
 
 
@@ -195,18 +215,27 @@ def distill_loss(stats, mask_BxT, ce_weight: float):
 @functools.lru_cache(maxsize=8)
 def make_distill_step(cfg: ModelConfig, tail: str, ce_weight: float, optimizer) -> Callable:
     """One jitted step ``(params, opt_state, batch, frozen) -> (params, opt_state, metrics)`` on a
-    :func:`distill_batch` (``frozen`` = {"shared", optional "head_mask"}); params and state donated."""
+    :func:`distill_batch` (``frozen`` = {"shared", optional "head_ids" (N,) and "head_col" (V,) of a
+    trimmed head}); params and state donated."""
     import jax
     import optax
 
-    from ssd_jax.training.objective import causal_logits, global_norm
+    from ssd_jax.models import llama
+
+    from ssd_jax.training.objective import causal_hidden, global_norm, kept_logits
 
     def step(params, opt_state, batch, frozen):
         tokens, labels = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
 
         def loss_fn(p):
-            z = causal_logits({**frozen["shared"], **p}, cfg, tokens, batch["positions"], batch["segments"])
-            st = distill_stats(z, batch["topk_ids"], batch["topk_logprobs"], labels, frozen.get("head_mask"), tail)
+            full = {**frozen["shared"], **p}
+            h = causal_hidden(full, cfg, tokens, batch["positions"], batch["segments"])
+            if "head_ids" in frozen:  # a trimmed head: only its N rows are computed
+                z = kept_logits(full, cfg, h, frozen["head_ids"])
+                st = distill_stats(z, batch["topk_ids"], batch["topk_logprobs"], labels, None, tail, frozen["head_col"])
+            else:
+                st = distill_stats(llama.logits(full, cfg, h), batch["topk_ids"], batch["topk_logprobs"], labels,
+                                   None, tail)
             loss, kl, ce = distill_loss(st, batch["mask"], ce_weight)
             return loss, (kl, ce, st["alpha_topk"])
 

@@ -26,6 +26,9 @@ from ssd_jax.training.draft_model import (
 )
 from ssd_jax.training.objective import evaluate, make_eval_step, make_optimizer, make_train_step
 
+#: where ``--keep-evals`` exports the draft of every evaluation (``<run>/evals/<step>/``)
+EVALS_DIR = "evals"
+
 
 def _finite(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()}
@@ -172,7 +175,12 @@ def train(
         from ssd_jax.training.distill import distill_batch, make_distill_step
 
         if args.draft_vocab is not None:
-            frozen["head_mask"] = jax.device_put(_head_mask(target, args.draft_vocab, run.path), dev)
+            mask = _head_mask(target, args.draft_vocab, run.path)
+            ids = np.flatnonzero(mask).astype(np.int32)
+            col = np.full(mask.shape, -1, np.int32)
+            col[ids] = np.arange(ids.size, dtype=np.int32)
+            # evaluation masks full-width logits; the train step computes the kept rows only
+            frozen.update(jax.device_put({"head_mask": mask, "head_ids": ids, "head_col": col}, dev))
             log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
         train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
         frozen_step = {k: v for k, v in frozen.items() if k != "target"}
@@ -202,10 +210,18 @@ def train(
         bmeta.pop("evals", None)
         run.export(run.best_dir, params, bmeta)
 
+    def snapshot(step: int, m: dict[str, Any]) -> None:  # --keep-evals: the draft at this eval, for learning curves
+        if args.keep_evals:
+            smeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
+            smeta.pop("evals", None)
+            run.export(run.path / EVALS_DIR / str(step), params, smeta)
+
     due = start == args.steps or (bool(args.eval_every) and start % args.eval_every == 0)
     if due and not any(e["step"] == start for e in meta["evals"]):
         # step 0, or a kill between saving an eval step's state and recording its evaluation
-        export_best(start, do_eval(start))
+        m0 = do_eval(start)
+        export_best(start, m0)
+        snapshot(start, m0)
         dfmt.write_json_atomic(run.meta_path, meta)
 
     tokens_per_step = args.batch_size * args.seq_len
@@ -250,6 +266,7 @@ def train(
                 meta["step"] = done
                 if is_eval or final:
                     export_best(done, last_eval)
+                    snapshot(done, last_eval)
                 dfmt.write_json_atomic(run.meta_path, meta)
             if on_step is not None:
                 on_step(done, rec)

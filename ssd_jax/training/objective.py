@@ -21,6 +21,13 @@ def causal_logits(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, segm
     ``segments_BxT`` its sequence's id in the row; a token then attends to the earlier tokens of its
     own segment only, so each sequence's logits are those of the sequence alone.
     """
+    from ssd_jax.models import llama
+
+    return llama.logits(params, cfg, causal_hidden(params, cfg, tokens_BxT, positions_BxT, segments_BxT))
+
+
+def causal_hidden(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, segments_BxT=None):
+    """The final hidden states of :func:`causal_logits` (before the output head)."""
     import jax.numpy as jnp
 
     from ssd_jax.models import llama
@@ -32,7 +39,21 @@ def causal_logits(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, segm
         mask_BxTxT = same_BxTxT & jnp.tril(jnp.ones((T, T), bool))[None]
     hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T),
                                     positions_BxT=positions_BxT, mask_BxTxS=mask_BxTxT)
-    return llama.logits(params, cfg, hidden_BxTxD)
+    return hidden_BxTxD
+
+
+def kept_logits(params, cfg: ModelConfig, hidden_BxTxD, head_ids_N):
+    """Logits of the ``head_ids_N`` rows of the output head only, ``(B, T, N)`` in float32.
+
+    A trimmed head trained this way costs N/V of the full head's matmul, and every (B, T, .) array
+    of the loss is N wide instead of V (for SmolLM2 at N = 4096: 12x less)."""
+    import jax.numpy as jnp
+
+    from ssd_jax.models import forms as F
+
+    src = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    w = jnp.take(src, head_ids_N, axis=0 if cfg.forms.head.layout == "oi" else 1)  # the stored layout
+    return F.apply(hidden_BxTxD, w, cfg.forms.head, preferred_element_type=jnp.float32)
 
 
 MASKED_LOGIT = -1e30  # logit of a token outside a trimmed head: q = 0 there, and no inf - inf
