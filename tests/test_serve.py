@@ -220,3 +220,22 @@ def test_sd_ngram_server_matches_offline(offline):
     finally:
         rc, err = _stop(proc)
     assert rc == 0 and "Traceback" not in err, err[-2000:]
+
+
+def test_serving_benchmark_load_on_the_server(ar_server, tmp_path):
+    """The serving benchmark's Poisson load (ssd_jax.bench.serving) against a live server: every request
+    streams its tokens, and the report's cell adds them up."""
+    from ssd_jax.bench import serving as sb
+
+    arrivals = sb.poisson_arrivals(8.0, 5, seed=1)
+    assert arrivals[0] == 0 and all(b > a for a, b in zip(arrivals, arrivals[1:]))
+    reqs = asyncio.run(sb.run_load(ar_server, MODEL, PROMPTS, arrivals, 6))
+    assert [r["tokens"] for r in reqs] == [6] * 5 and all(r["ok"] and 0 < r["ttft"] <= r["e2e"] for r in reqs)
+    span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
+    rows = [{"kind": "request", "method": "ar", "rate": 8.0, "repeat": 0, **r} for r in reqs]
+    rows.append({"kind": "load", "method": "ar", "rate": 8.0, "repeat": 0, "span": span, "tokens": 30,
+                 "acceptance": None})
+    s = sb.cell_summary(rows[:-1], [(span, 30)])
+    assert s["requests"] == 5 and s["failed"] == 0 and s["throughput"][0] == pytest.approx(30 / span)
+    assert s["ttft"]["p50"] <= s["ttft"]["p99"] and s["tpot"]["p50"] > 0
+    assert "| 8 | ar | 5 (0) |" in sb.render(rows, {"target": MODEL})
