@@ -43,6 +43,10 @@ float rounding of a 2-token vs 1-token step).
 For AR a seeded request equals offline ``generate`` of that prompt alone (batch of one) with
 the same seed: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
 
-Not here yet: SSD (``--method ssd``); ``k="auto"`` (the server uses ``--k``, default 4); the
-host still waits for each round before queueing the next (the offline loops overlap them).
+``--k auto`` (the default) is resolved once at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
+measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk), and the
+server then runs that K for every round.
+
+Not here yet: SSD (``--method ssd``); the host still waits for each round before queueing the
+next (the offline loops overlap them).
 """

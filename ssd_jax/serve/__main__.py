@@ -60,13 +60,25 @@ def run(argv=None) -> int:
     max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
-    k = 0 if spec.method == "ar" else (4 if spec.k == "auto" else int(spec.k))
+    k_note = ""
+    if spec.method == "sd" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
+        import dataclasses
+
+        from ssd_jax.decoding.kauto import resolve_k
+        from ssd_jax.sampling.filters import SamplingParams
+
+        resolved, info, _ = resolve_k(model, dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
+                                      SamplingParams(), args.max_batch, load_model)
+        spec = dataclasses.replace(spec, k=int(resolved.k))
+        k_note = (f" (auto: alpha {info['alpha']:.2f}, expected {info['expected_speedup_by_k'][str(spec.k)]:.2f}x AR, "
+                  f"{info['source']})")
+    k = 0 if spec.method == "ar" else int(spec.k)
     metrics = Metrics(k)
     engine = Engine(model, spec, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
                     max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics)
     compile_s = engine.compile_all()
     name = args.served_model_name or str(args.target)
-    print(f"[serve] {name} method={spec.method}" + (f" draft={spec.draft} k={k}" if k else "")
+    print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}" if k else "")
           + f" slots={args.max_batch} context={max_len}: compiled in {compile_s:.1f}s; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = build_app(engine, name, metrics)

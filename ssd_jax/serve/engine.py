@@ -73,7 +73,9 @@ class Engine:
             raise UserError("the server's SD drafters are a draft model or ngram")
         self.model, self.spec, self.B, self.max_len = model, spec, max_batch, max_len
         self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
-        self.k = 0 if spec.method == "ar" else (4 if spec.k == "auto" else int(spec.k))
+        if spec.method == "sd" and spec.k == "auto":
+            raise UserError("the engine takes an integer k: resolve k='auto' first (ssd_jax.decoding.kauto.resolve_k)")
+        self.k = 0 if spec.method == "ar" else int(spec.k)
         self.kind = "model" if drafter_model is not None else "host"
         self.draft = drafter_model
         self.extra_slots = 0 if spec.method == "ar" else self.k + 1
