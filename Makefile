@@ -37,23 +37,27 @@ test-slow: $(STAMP)
 # on them with sequences packed into the 512-token windows (--pack: each attends to itself only);
 # both steps resume where they stopped. DRAFT_OUT is not the shipped
 # checkpoints/smollm2-135m-draft: ship a finished run by copying its draft.json, best/ and token_counts.npz.
+# The defaults are the recipe of the shipped checkpoints/smollm2-135m-draft (greedy answers to 1024 prompts,
+# a head trimmed to 8192 tokens); e.g. DISTILL_TEMPS="0 1" DISTILL_PROMPTS=2048 DRAFT_STEPS=3000 for more.
 DRAFT_TARGET ?= smollm2-135m-instruct
-DISTILL_DATA ?= runs/distill-$(DRAFT_TARGET)
-DISTILL_PROMPTS ?= 2048
-DRAFT_STEPS ?= 3000
+DISTILL_PROMPTS ?= 1024
+DISTILL_TEMPS ?= 0
+DISTILL_DATA ?= runs/distill-$(DRAFT_TARGET)-t$(subst $() ,,$(DISTILL_TEMPS))-$(DISTILL_PROMPTS)
+DRAFT_STEPS ?= 600
+DRAFT_VOCAB ?= 8192
 DRAFT_OUT ?= runs/$(DRAFT_TARGET)-draft-distill
 DRAFT_ARGS ?=
 
 distill-data: $(STAMP)
 	$(PY) -m ssd_jax.train distill-data --target $(DRAFT_TARGET) --out $(DISTILL_DATA) --n-prompts $(DISTILL_PROMPTS) \
-		--temperatures 0 1 --top-k 32 --max-new-tokens 128 --max-prompt-tokens 320 --batch-size 16 --shard-prompts 64
+		--temperatures $(DISTILL_TEMPS) --top-k 32 --max-new-tokens 128 --max-prompt-tokens 320 --batch-size 16 --shard-prompts 64
 
 # --keep-evals exports the draft at every evaluation (evals/<step>/, ~42 MB each for 3 layers) for
 # `python -m ssd_jax.train learning-curve $(DRAFT_OUT) --out ...`
 draft: distill-data
 	$(PY) -m ssd_jax.train --target $(DRAFT_TARGET) --size auto --loss distill --ce-weight 0.1 --data $(DISTILL_DATA) \
 		--pack --steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
-		--out $(DRAFT_OUT) --resume --keep-evals $(DRAFT_ARGS)
+		--draft-vocab $(DRAFT_VOCAB) --out $(DRAFT_OUT) --resume --keep-evals $(DRAFT_ARGS)
 
 # SDSL validation (issue 14): the law's depth x 1/3, 2/3, 1, 4/3, 2 (SmolLM2: 1, 2, 3, 4, 6 layers), seeds 0 and 1,
 # the draft recipe above with SDSL_STEPS steps each (runs in SDSL_RUNS; finished runs are skipped), then AR and

@@ -24,7 +24,8 @@ def default_dtype() -> str:
 
 
 def load_model(name_or_path, dtype: str | None = None, **kw):
-    """Load a registry name, .gguf file, Hugging Face directory or converted cache directory."""
-    from ssd_jax.loading import load_model as _load
+    """Load a registry name, .gguf file, Hugging Face directory, converted cache directory or trained
+    draft (one trained with a trimmed head comes with that head)."""
+    from ssd_jax.drafters.vocab import load_with_head
 
-    return _load(name_or_path, dtype=dtype or default_dtype(), **kw)
+    return load_with_head(name_or_path, dtype=dtype or default_dtype(), **kw)

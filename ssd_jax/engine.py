@@ -22,7 +22,7 @@ from ssd_jax.decoding.kauto import resolve_k
 from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
-from ssd_jax.loading import load_model
+from ssd_jax.drafters.vocab import load_with_head
 from ssd_jax.sampling.filters import SamplingParams
 
 
@@ -58,7 +58,7 @@ def generate(
     if not prompts:
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
-    load = functools.partial(load_model, dtype=model.cfg.dtype)
+    load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
     if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
         from ssd_jax.drafters.vocab import trimmed_draft
 

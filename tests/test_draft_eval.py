@@ -180,9 +180,14 @@ def test_validation_trains_measures_reports_and_skips_finished_runs(env, tmp_pat
 def test_validation_of_two_sizes_two_seeds(env, tmp_path):
     root, target = env
     v = _validation(root, tmp_path, depths=(1, 2), steps=2, eval_every=2, categories=("code", "chat"), repeats=2,
-                    new_tokens=4)
+                    new_tokens=4, draft_vocab=64)
     md = sv.validate(v, target.cfg, corpus=_heldout(root), records=RECORDS, log=lambda m: None)
     _check_validation(v, target, root, md)
+    from ssd_jax.loading.draft import trained_head_vocab
+
+    # every draft trained its trimmed head (the shipped draft's recipe) and is measured with it
+    heads = [trained_head_vocab(Path(v.runs) / sv.run_name(d, s) / "best" / "params") for d in v.depths for s in v.seeds]
+    assert [h and h[0] for h in heads] == [64] * 4
     summ = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summ["verdict"].startswith("The optimum is")
 

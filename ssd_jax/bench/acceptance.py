@@ -51,6 +51,7 @@ def measure(target, draft, records: dict[str, list[dict]], *, temperatures: Sequ
     ``records``: category -> prompt records (``{"id", "prompt"}``), e.g. from
     :func:`ssd_jax.bench.protocol.category_prompts`."""
     from ssd_jax.decoding.spec import SpecConfig
+    from ssd_jax.drafters.vocab import head_vocab
     from ssd_jax.engine import generate
     from ssd_jax.sampling.filters import SamplingParams
 
@@ -78,7 +79,8 @@ def measure(target, draft, records: dict[str, list[dict]], *, temperatures: Sequ
             cells.append({"k": int(k), "temperature": float(t), "category": "all",
                           "prompts": sum(len(r) for r in records.values()), **round_stats(pooled, drafted_all, int(k))})
     return {"target": target.name, "draft": draft.name, "draft_weights_sha256": getattr(draft, "weights_sha256", None),
-            "new_tokens": new_tokens, "chat": chat, "seed": seed, "draft_vocab": draft_vocab, "cells": cells}
+            "new_tokens": new_tokens, "chat": chat, "seed": seed,
+            "draft_vocab": draft_vocab if draft_vocab is not None else head_vocab(draft), "cells": cells}
 
 
 def render(res: dict[str, Any], title: str | None = None) -> str:

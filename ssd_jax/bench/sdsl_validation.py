@@ -55,8 +55,9 @@ class Validation:
         distill``, or another ``--data`` of ``python -m ssd_jax.train`` with ``loss``.
       runs: directory of the training runs.
       out: directory of the results (protocol file, report, summary, plot).
-      steps, batch_size, seq_len, lr, eval_every, eval_windows, loss, ce_weight, pack: the
-        training recipe, the same for every draft.
+      steps, batch_size, seq_len, lr, eval_every, eval_windows, loss, ce_weight, pack, draft_vocab:
+        the training recipe, the same for every draft (``draft_vocab``: the head trimmed to that many
+        tokens, as the shipped draft's; each draft then decodes with its trained head).
       k: SD lookahead in the measurement ("auto" or an integer).
       categories, n_prompts, repeats, new_tokens, chat: the protocol's settings.
     """
@@ -76,6 +77,7 @@ class Validation:
     loss: str = "distill"
     ce_weight: float = 0.1
     pack: bool = True
+    draft_vocab: int | None = None
     k: int | str = 4
     categories: tuple[str, ...] = protocol.CATEGORIES
     n_prompts: int = 8
@@ -144,7 +146,8 @@ def train_drafts(v: Validation, drafts: Sequence[dict], *, corpus=None, log=prin
                              seq_len=v.seq_len, lr=v.lr, loss=v.loss, seed=d["seed"], eval_every=v.eval_every,
                              eval_windows=v.eval_windows, data=v.data, out=str(path), resume=RunDir(path).has_run(),
                              ce_weight=v.ce_weight if v.loss == "distill" else 0.0,
-                             pack=v.pack and v.loss == "distill")
+                             pack=v.pack and v.loss == "distill",
+                             draft_vocab=v.draft_vocab if v.loss == "distill" else None)
             log(f"{d['name']}: training ({'resume' if args.resume else 'new'}), {d['depth']} layers, seed {d['seed']}")
             train(args, corpus=corpus)
         meta = dfmt.read_meta(path / dfmt.BEST_DIR)

@@ -220,6 +220,9 @@ def build_validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", choices=LOSSES, default=d.loss)
     p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="distill: loss = (1-W) KL + W CE")
     p.add_argument("--no-pack", action="store_true", help="distill: one sequence per window (default: packed)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="distill: train every draft's head trimmed to the N most frequent target tokens (the "
+                        "shipped draft's recipe: 8192); the drafts decode with it")
     p.add_argument("--k", default=str(d.k), help="SD lookahead in the measurement: an integer or auto")
     p.add_argument("--categories", nargs="+", default=list(d.categories), choices=list(protocol.CATEGORIES))
     p.add_argument("--n-prompts", type=int, default=d.n_prompts, help="prompts per category")
@@ -257,7 +260,7 @@ def run_validate(argv) -> int:
         target=a.target, data=a.data, out=a.out, runs=a.runs or f"runs/sdsl-{Path(str(a.target).rstrip('/')).name}",
         depths=_depths(a.sizes, cfg), seeds=tuple(a.seeds), steps=a.steps, batch_size=a.batch_size,
         seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every, eval_windows=a.eval_windows, loss=a.loss,
-        ce_weight=a.ce_weight, pack=not a.no_pack, k=k, categories=tuple(a.categories), n_prompts=a.n_prompts,
+        ce_weight=a.ce_weight, pack=not a.no_pack, draft_vocab=a.draft_vocab, k=k, categories=tuple(a.categories), n_prompts=a.n_prompts,
         repeats=a.repeats, new_tokens=a.new_tokens, chat=not a.no_chat,
     )
     if a.report_only:

@@ -218,6 +218,24 @@ def trim_to(model, n: int, source: Any):
     return trim_draft(model, kept_ids(counts, n, always_kept(model.tokenizer)))
 
 
+def with_trained_head(model):
+    """``model`` cut to the head it was trained with, if it is a draft trained with ``--draft-vocab N``
+    (``ssd_jax.loading.draft.trained_head_vocab``); otherwise ``model`` itself."""
+    from ssd_jax.loading.draft import trained_head_vocab
+
+    head = trained_head_vocab(model.source) if getattr(model, "source", None) else None
+    if head is None or head[0] >= model.cfg.vocab_size or "head_ids" in model.params:
+        return model
+    return trim_to(model, head[0], head[1])
+
+
+def load_with_head(name_or_path, **kw):
+    """``ssd_jax.loading.load_model``, then :func:`with_trained_head` (how drafts are loaded)."""
+    from ssd_jax.loading import load_model
+
+    return with_trained_head(load_model(name_or_path, **kw))
+
+
 def trimmed_draft(draft: Any, n: int, load: Callable[[str], Any]):
     """The draft of a spec (a name / path, or a loaded model) with its head cut to ``n`` tokens
     (``n`` = the vocabulary: the full head, also for a draft trained with a trimmed one)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from ssd_jax.errors import UserError
 from ssd_jax.loading import registry
-from ssd_jax.loading.draft import SHIPPED_DRAFTS, is_draft_dir, open_draft, resolve_draft, trained_head_vocab
+from ssd_jax.loading.draft import SHIPPED_DRAFTS, is_draft_dir, open_draft, resolve_draft
 from ssd_jax.loading.loaded import LoadedModel, NumpyModel
 from ssd_jax.loading.registry import REGISTRY, cache_root, converted_path
 from ssd_jax.loading.store import (
@@ -233,9 +233,4 @@ def load_model(
         weights_sha256=m.weights_sha256,
         source=m.source,
     )
-    head = trained_head_vocab(m.source) if m.source else None
-    if head is not None and head[0] < cfg.vocab_size:  # a draft trained with a trimmed head decodes with it
-        from ssd_jax.drafters.vocab import trim_to
-
-        model = trim_to(model, head[0], head[1])
     return model
