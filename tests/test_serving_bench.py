@@ -23,7 +23,8 @@ def test_methods_map_to_server_flags():
     assert sb.parse_method("ar")["flags"] == ["--method", "ar"]
     m = sb.parse_method("sd:ngram:3")
     assert m["name"] == "sd-ngram-k3" and m["flags"] == ["--method", "sd", "--draft", "ngram", "--k", "3"]
-    assert sb.parse_method("sd:smollm2-135m-draft")["flags"][-1] == "4"
+    assert sb.parse_method("sd:smollm2-135m-draft")["flags"][-1] == "auto"
+    assert sb.parse_method("sd:ngram:auto")["name"] == "sd-ngram-kauto"
     for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam"):
         with pytest.raises(UserError):
             sb.parse_method(bad)

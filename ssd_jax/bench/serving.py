@@ -54,14 +54,15 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
 
 
 def parse_method(m: str) -> dict:
-    """``ar`` | ``sd:DRAFT[:K]`` (DRAFT: ngram or a draft name / path) -> server flags and a label."""
+    """``ar`` | ``sd:DRAFT[:K]`` (DRAFT: ngram or a draft name / path; K an integer or auto, the
+    default) -> server flags and a label."""
     parts = m.split(":")
     if parts == ["ar"]:
         return {"name": "ar", "flags": ["--method", "ar"]}
     if parts[0] == "sd" and len(parts) in (2, 3) and parts[1]:
-        k = parts[2] if len(parts) == 3 else "4"
-        if not k.isdigit() or int(k) < 1:
-            raise UserError(f"method {m!r}: K must be a positive integer")
+        k = parts[2] if len(parts) == 3 else "auto"
+        if k != "auto" and (not k.isdigit() or int(k) < 1):
+            raise UserError(f"method {m!r}: K must be a positive integer or auto")
         label = "ngram" if parts[1] == "ngram" else "draft"
         return {"name": f"sd-{label}-k{k}", "flags": ["--method", "sd", "--draft", parts[1], "--k", k]}
     raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K)")
@@ -262,7 +263,7 @@ def _env(a) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"], help="ar | sd:ngram:K | sd:DRAFT:K")
+    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"], help="ar | sd:ngram[:K] | sd:DRAFT[:K] (K: an integer or auto, the default)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
     p.add_argument("--requests", type=int, default=16, help="requests per (method, rate, repeat)")
     p.add_argument("--repeats", type=int, default=2)
