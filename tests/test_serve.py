@@ -3,9 +3,9 @@ real ``openai`` client and httpx: greedy outputs equal offline ``ssd_jax.generat
 model, SD with n-gram), 32 concurrent requests, a disconnect, the 400 / 429 classes, /metrics, a clean
 SIGTERM, and the serving benchmark's load generator.
 
-The models are tiny random Llamas (2 layers target, 1 layer draft, width 64) with SmolLM2's real
-tokenizer and chat template, so the servers start in seconds; tests/test_serve_smollm.py runs the
-same checks on SmolLM2-135M itself (``slow``)."""
+The default set runs on tiny random Llamas (2 layers target, 1 layer draft, width 64) with SmolLM2's
+real tokenizer and chat template, so the servers start in seconds; the ``slow`` set runs every test
+again on SmolLM2-135M-Instruct and its shipped draft."""
 
 import asyncio
 import time
@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.realmodel  # SmolLM2's tokenizer comes from the registry
 
-NAME = "tiny"
+NAME = "served"
 PROMPTS = ["The capital of France is", "def fib(n):", "One, two, three, four,", "Water boils at",
            "Once upon a time", "import numpy as np", "SELECT * FROM", "Dear Sir or Madam,"]
 MAX_TOKENS = [12, 8, 16, 10, 5, 14, 7, 11]
@@ -44,9 +44,12 @@ def _tiny_dir(path, tokenizer, layers: int, seed: int) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(target dir, draft dir): random weights, SmolLM2's tokenizer (49,152 tokens) and chat template."""
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def pair(request, tmp_path_factory):
+    """(target, draft): tiny random Llamas with SmolLM2's tokenizer (49,152 tokens) and chat template, or
+    (``slow``) SmolLM2-135M-Instruct itself with its shipped draft."""
+    if request.param == "smollm2":
+        return "smollm2-135m-instruct", "smollm2-135m-draft"
     from ssd_jax.loading import load_numpy
 
     tok = load_numpy("smollm2-135m-instruct").tokenizer
@@ -55,10 +58,10 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny):
+def servers(pair):
     """AR (4 slots), SD with the tiny draft (K = 3, 4 slots) and SD with n-gram (K auto, calibrated at start,
     2 slots); each must exit 0 without a traceback on SIGTERM."""
-    target, draft = tiny
+    target, draft = pair
     flags = {"ar": ["--max-batch", "4", "--max-waiting", "40"],
              "sd": ["--method", "sd", "--draft", draft, "--k", "3", "--max-batch", "4", "--max-waiting", "40"],
              "ngram": ["--method", "sd", "--draft", "ngram", "--k", "auto", "--max-batch", "2"]}
@@ -75,11 +78,11 @@ def servers(tiny):
 
 
 @pytest.fixture(scope="module")
-def offline(tiny):
+def offline(pair):
     """Offline ``ssd_jax.generate`` (AR): greedy ids per prompt, a chat answer, and a seeded sample."""
     from ssd_jax import SamplingParams, generate, load_model
 
-    model = load_model(tiny[0])
+    model = load_model(pair[0])
     res = generate(model, PROMPTS, SamplingParams(max_new_tokens=max(MAX_TOKENS)))
     plain = [o["token_ids"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
     chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12), chat=True).outputs[0]
