@@ -3,11 +3,11 @@
 Dependencies run one way, lowest first:
 
     errors <- models <- loading, parallel, data <- sampling <- drafters <- analysis
-           <- decoding <- engine <- training <- bench <- cli <- entry-point shims
+           <- decoding <- engine <- training <- bench <- cli, serve <- entry-point shims
 
 A module may import its own layer and the layers below it, never above; there are no import
 cycles; no module imports a private (``_name``) from another; the package face
-(``ssd_jax/__init__.py``) is imported only by its clients (bench, cli); no file is over 600 lines.
+(``ssd_jax/__init__.py``) is imported only by its clients (bench, cli, serve); no file is over 600 lines.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ LAYERS = {
     "engine": 7,
     "training": 8,
     "bench": 9,
-    "cli": 10,
+    "cli": 10, "serve": 10,
 }
 #: ``python -m ssd_jax.<name>`` entry points kept at their old paths: each only imports its CLI
 SHIMS = {"ssd_jax.decode", "ssd_jax.launch", "ssd_jax.train", "ssd_jax.sdsl", "ssd_jax.perf", "ssd_jax.perfmodel",

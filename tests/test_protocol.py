@@ -110,6 +110,7 @@ def test_resume_skips_finished_runs_and_ratios_come_out_exact(tmp_path):
         protocol.run_protocol(runners, protocol.build_units(other, 2, 1), path, repeats=3, new_tokens=4, progress=False)
 
 
+@pytest.mark.slow  # ~20 s; by default test_cli_suite_protocol_on_a_tiny_checkpoint runs the suite end to end
 def test_tiny_end_to_end_protocol(tmp_path, pair):
     target, draft = pair
     specs = protocol.method_specs(["ar", "sd:2", "ngram:2", "ssd:2"], draft)

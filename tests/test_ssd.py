@@ -253,6 +253,7 @@ def test_biased_miss_rule_fails_the_bound(small_pair, monkeypatch):
 # --- placement and overlap -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~30 s; by default two meshes run in test_cli (greedy, CLI) and test_distributed (sampled)
 def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, seed=3)

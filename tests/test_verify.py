@@ -499,3 +499,41 @@ def test_point_mass_marking_equals_none():
         b = verify_jit(k, logits, drafts, nd, rs, True)
         np.testing.assert_array_equal(a.n_accepted, b.n_accepted)
         np.testing.assert_array_equal(a.next_token, b.next_token)
+
+
+def _sorted_reference(x, t, k, p):
+    """top-k then top-p by a full stable sort in float64 numpy: the definition filter_logprobs implements."""
+    x = x / (t if t > 0 else 1.0)
+    order = np.argsort(-x, kind="stable")
+    keep = np.ones(len(x), bool) if k <= 0 else np.arange(len(x)) < k
+    ps = np.exp(np.where(keep, x[order], -np.inf) - x.max())
+    ps /= ps.sum()
+    if p < 1:
+        keep &= np.cumsum(ps) - ps < p
+    out = np.full(len(x), -np.inf)
+    out[order[keep]] = x[order[keep]]
+    return out - np.logaddexp.reduce(out[np.isfinite(out)])
+
+
+@pytest.mark.parametrize("candidates", [8, 64, 1024])
+def test_filter_cutoff_equals_a_full_sort(candidates):
+    """The partial-sort cutoff (lax.top_k of ``candidates``) and its full-sort fallback (top-k beyond the
+    candidates, nuclei wider than them) keep exactly the tokens a full sort keeps."""
+    rng = np.random.default_rng(candidates)
+    f = jax.jit(lambda x, rs: filter_logprobs(x, rs, True, candidates=candidates))
+    for V, scale in [(50, 1.0), (300, 0.2), (300, 4.0), (2000, 1.0)]:
+        x = (rng.normal(size=(12, V)) * scale).astype(np.float32)
+        t = rng.choice([0.0, 0.7, 1.3], 12).astype(np.float32)
+        k = rng.choice([0, 1, 5, 40, 700], 12).astype(np.int32)
+        p = rng.choice([1.0, 0.9, 0.5, 0.99], 12).astype(np.float32)
+        got = np.asarray(f(jnp.asarray(x), RowSampling(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p))))
+        for b in range(12):
+            ref = _sorted_reference(x[b].astype(np.float64), float(t[b]), int(k[b]), float(p[b]))
+            np.testing.assert_array_equal(np.isfinite(got[b]), np.isfinite(ref))
+            np.testing.assert_allclose(got[b][np.isfinite(ref)], ref[np.isfinite(ref)], atol=1e-5)
+
+
+def test_filter_keeps_every_token_tied_with_the_cutoff():
+    x = jnp.asarray([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
+    lp = filter_logprobs(x, _rs([1.0], [2]), True, candidates=4)  # top-2: 3.0 and all three 2.0s
+    assert np.isfinite(np.asarray(lp[0])).tolist() == [True, False, True, True, True, False]

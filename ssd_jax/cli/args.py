@@ -1,11 +1,14 @@
-"""The argument parser every ``python -m ssd_jax.<tool>`` command uses."""
+"""The argument parser every ``python -m ssd_jax.<tool>`` command uses, and the model and speculation flags
+that ``decode`` and ``serve`` share."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-__all__ = ["Parser"]
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+__all__ = ["Parser", "add_model_args", "add_spec_args", "spec_from_args"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -18,3 +21,82 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def add_model_args(p) -> None:
+    """``--target`` and ``--dtype``."""
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="registry name, .gguf file or HF directory")
+    g.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (accelerator default)")
+
+
+def add_spec_args(p) -> None:
+    """The speculation flags (``--method --draft --k ...``, the SSD ones and the meshes)."""
+    g = p.add_argument_group("speculation")
+    g.add_argument("--method", default="ar", help="ar | sd | ssd")
+    g.add_argument("--draft", default=None, help="draft model name or path, 'ngram' or 'random'")
+    g.add_argument("--k", default="auto", help="speculative tokens per round: an integer >= 1, or 'auto' (default): "
+                   "chosen in 1..8 from a short calibration of this machine, cached under $SSD_JAX_CACHE/kauto")
+    g.add_argument("--prompt-lookup-min", type=int, default=1)
+    g.add_argument("--prompt-lookup-max", type=int, default=4)
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
+                   "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
+                   "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
+    g = p.add_argument_group("speculative speculative decoding (--method ssd)")
+    g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
+                   "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
+    g.add_argument("--fan-out-budget", type=int, default=None, help="branches per sequence for geometric "
+                   "fan-out (default 2*(k+1))")
+    g.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting of cached tokens in "
+                   "the draft distribution, in [0, 1] (1 = plain sampling)")
+    g.add_argument("--backup", default="auto", help="cache-miss fallback: neural | ngram | random | auto "
+                   "(neural below the critical batch size b*, n-gram above)")
+    g.add_argument("--target-devices", type=int, default=None, help="target mesh size (tensor parallel)")
+    g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
+                   "target's); without either flag both models share one device")
+    return g
+
+
+def spec_from_args(args):
+    """The :class:`SpecConfig` the flags ask for (the default draft of the target when SD / SSD has none)."""
+    from ssd_jax.decoding.spec import SpecConfig
+
+    if args.method in ("sd", "ssd") and args.draft is None:
+        from ssd_jax.drafters import default_draft
+
+        args.draft = default_draft(args.target)
+    return SpecConfig(
+        method=args.method,
+        draft=args.draft,
+        k=_k_flag(args.k),
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        fan_out=args.fan_out if args.fan_out == "geometric" else _int_flag("--fan-out", args.fan_out),
+        fan_out_budget=args.fan_out_budget,
+        saguaro_c=args.saguaro_c,
+        backup=args.backup,
+        target_devices=args.target_devices,
+        draft_devices=args.draft_devices,
+        profile_stages=getattr(args, "profile_stages", False),
+        draft_vocab=args.draft_vocab,
+    )
+
+
+def _k_flag(value) -> int | str:
+    from ssd_jax.errors import UserError
+
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--k must be an integer >= 1 or 'auto', got {value!r}") from None
+
+
+def _int_flag(name, value) -> int:
+    from ssd_jax.errors import UserError
+
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name} must be an integer or 'geometric', got {value!r}") from None

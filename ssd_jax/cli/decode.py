@@ -17,17 +17,14 @@ import json
 import os
 import sys
 
-from ssd_jax.cli.args import Parser
+from ssd_jax.cli.args import DEFAULT_TARGET, Parser, add_model_args, add_spec_args, spec_from_args  # noqa: F401
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m ssd_jax.decode", description=__doc__.split("\n")[0])
-    g = p.add_argument_group("model")
-    g.add_argument("--target", default=DEFAULT_TARGET, help="registry name, .gguf file or HF directory")
-    g.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (accelerator default)")
+    add_model_args(p)
     g = p.add_argument_group("input")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' (or 'text') field")
@@ -42,28 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=int, default=1, help="samples per prompt, run as one batch")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g = p.add_argument_group("speculation")
-    g.add_argument("--method", default="ar", help="ar | sd | ssd")
-    g.add_argument("--draft", default=None, help="draft model name or path, 'ngram' or 'random'")
-    g.add_argument("--k", default="auto", help="speculative tokens per round: an integer >= 1, or 'auto' (default): "
-                   "chosen in 1..8 from a short calibration of this machine, cached under $SSD_JAX_CACHE/kauto")
-    g.add_argument("--prompt-lookup-min", type=int, default=1)
-    g.add_argument("--prompt-lookup-max", type=int, default=4)
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
-                   "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
-                   "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
-    g = p.add_argument_group("speculative speculative decoding (--method ssd)")
-    g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
-                   "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
-    g.add_argument("--fan-out-budget", type=int, default=None, help="branches per sequence for geometric "
-                   "fan-out (default 2*(k+1))")
-    g.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting of cached tokens in "
-                   "the draft distribution, in [0, 1] (1 = plain sampling)")
-    g.add_argument("--backup", default="auto", help="cache-miss fallback: neural | ngram | random | auto "
-                   "(neural below the critical batch size b*, n-gram above)")
-    g.add_argument("--target-devices", type=int, default=None, help="target mesh size (tensor parallel)")
-    g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
-                   "target's); without either flag both models share one device")
+    g = add_spec_args(p)
     g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
     g.add_argument("--profile-stages", action="store_true", help="sd/ssd: time the draft, verify and sample "
                    "stages separately (one call each per round, slower; default: one call per round on one device, "
@@ -148,7 +124,6 @@ def _first_line(e: BaseException) -> str:
 
 
 def _run(args) -> int:
-    from ssd_jax.decoding.spec import SpecConfig
     from ssd_jax.errors import UserError
     from ssd_jax.sampling.filters import SamplingParams
 
@@ -163,25 +138,7 @@ def _run(args) -> int:
         n=args.n,
     )
     sampling.validate()  # fail on bad flags before loading anything
-    if args.method in ("sd", "ssd") and args.draft is None:
-        from ssd_jax.drafters import default_draft
-
-        args.draft = default_draft(args.target)
-    spec = SpecConfig(
-        method=args.method,
-        draft=args.draft,
-        k=_k_flag(args.k),
-        prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
-        fan_out=args.fan_out if args.fan_out == "geometric" else _int_flag("--fan-out", args.fan_out),
-        fan_out_budget=args.fan_out_budget,
-        saguaro_c=args.saguaro_c,
-        backup=args.backup,
-        target_devices=args.target_devices,
-        draft_devices=args.draft_devices,
-        profile_stages=args.profile_stages,
-        draft_vocab=args.draft_vocab,
-    )
+    spec = spec_from_args(args)
     import jax
 
     spec.validate(n_devices=len(jax.devices()))
@@ -247,26 +204,6 @@ def _run(args) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def _k_flag(value) -> int | str:
-    from ssd_jax.errors import UserError
-
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"--k must be an integer >= 1 or 'auto', got {value!r}") from None
-
-
-def _int_flag(name, value) -> int:
-    from ssd_jax.errors import UserError
-
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"{name} must be an integer or 'geometric', got {value!r}") from None
 
 
 def main(argv=None) -> int:

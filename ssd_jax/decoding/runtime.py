@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from ssd_jax.compile import Compiled
@@ -22,7 +21,7 @@ from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.llama import KVCache
 from ssd_jax.models.params import Params
-from ssd_jax.sampling.filters import RowSampling, sample
+from ssd_jax.sampling.filters import RowSampling, fold_in, sample
 
 
 # --- the AR steps ---------------------------------------------------------------------
@@ -38,10 +37,11 @@ def prefill_step(params: Params, cache: KVCache, tokens_BxT, n_valid_B, key, rs:
 
 
 def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSampling, *, cfg, needs_filter):
-    """Append one token per row and sample the next one."""
+    """Append one token per row and sample the next one. ``key``, ``step``: one key and step, or per row
+    (a (B,) batch of row keys and (B,) steps)."""
     h, cache = llama.forward(params, cfg, tokens_B[:, None], cache)
     lg = llama.logits(params, cfg, h[:, 0])
-    tok = sample(jax.random.fold_in(key, step), lg, rs, needs_filter)
+    tok = sample(fold_in(key, step), lg, rs, needs_filter)
     return tok, cache.with_lengths(cache.lengths + 1)
 
 

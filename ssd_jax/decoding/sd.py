@@ -43,7 +43,7 @@ from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.parallel.placement import cache_for as _cache_for
 from ssd_jax.parallel.placement import put_on as _put
-from ssd_jax.sampling.filters import RowSampling
+from ssd_jax.sampling.filters import RowSampling, fold_in
 from ssd_jax.sampling.rejection import emitted_tokens, verify
 
 
@@ -63,7 +63,7 @@ def target_score(params, cache, cur_B, draft_BxK, *, cfg):
 
 def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter):
     """Rejection sampling + the per-row state update; returns what the host and next round need."""
-    res = verify(jax.random.fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
+    res = verify(fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
     n = res.n_accepted
     if draft_BxK.shape[1] == 0:  # a round with nothing proposed: one plain target step
         prev = cur_B
@@ -102,14 +102,16 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
     "random" (uniform proposals) or "host" (proposals computed on the host, e.g. n-gram lookup,
     passed in ``host_tokens_BxK`` / ``host_n_B``). ``step`` (a device scalar) and ``catch_up``
     come from the previous round's outputs, so rounds can be queued without the host.
-    Randomness is that of the profiled path (same seed, same tokens).
+    Randomness is that of the profiled path (same seed, same tokens). ``key`` and ``step`` may also be
+    a (B,) batch of row keys and per-row steps (the server: each request draws from its own stream;
+    not with ``kind="random"``).
 
     Returns (emitted (B, K+2): the round's tokens then n_accepted in the last column, n_draft,
     tcache, dcache, cur, prev, catch_up, step + 1).
     """
     B = cur_B.shape[0]
-    kdraft, kverify = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
-    kd = jax.random.fold_in(kdraft, step)
+    kdraft, kverify = fold_in(key, 1), fold_in(key, 2)
+    kd = fold_in(kdraft, step)
     q = None
     n_draft = jnp.full((B,), k, jnp.int32)
     if kind == "model":

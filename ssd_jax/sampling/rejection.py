@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling.filters import RowSampling, filter_logprobs
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs, is_key_batch
 
 __all__ = [
     "VerifyResult",
@@ -159,12 +159,6 @@ def emitted_tokens(draft_tokens_BxK: jax.Array, res: VerifyResult, pad_id: int =
     drafts = jnp.concatenate([draft_tokens_BxK, jnp.zeros((B, 1), draft_tokens_BxK.dtype)], axis=1)
     out = jnp.where(j < n, drafts, pad_id)
     return jnp.where(j == n, res.next_token[:, None], out).astype(jnp.int32)
-
-
-def is_key_batch(key: jax.Array) -> bool:
-    """True for a (B,) batch of keys, False for a single key (typed ``jax.random.key`` or raw uint32)."""
-    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-    return key.ndim == (1 if typed else 2)
 
 
 def row_keys(key: jax.Array, batch: int) -> jax.Array:

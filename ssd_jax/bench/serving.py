@@ -1,0 +1,350 @@
+"""Serving benchmark: Poisson load on ``python -m ssd_jax.serve`` (issue 16).
+
+``python -m ssd_jax.bench.serving --target NAME --methods ar sd:ngram:3 sd:DRAFT:2 --rates 0.5 1 2 ...``
+
+- **Servers.** One server per method, all started before the first measurement and all kept up
+  (an idle server's engine thread sleeps on a condition), so the methods can be interleaved:
+  for each repeat and each rate, every method takes its load in an order rotated per (repeat,
+  rate). Each server is warmed up with a few requests first.
+- **Load.** ``--requests`` requests per (method, rate, repeat) with exponential inter-arrival
+  times (a Poisson process at ``rate`` requests/s; the same seeded arrival times and prompts for
+  every method), prompts from the offline sets (``--categories``, cycled), through the chat
+  endpoint with streaming, greedy, ``max_tokens`` fixed and ``ignore_eos`` so every request
+  asks for the same work whatever the method.
+- **Per request** (one JSON line in ``<out>.jsonl``, appended and fsynced, so a rerun resumes):
+  TTFT (arrival to first content chunk), TPOT ((end - first token) / (tokens - 1)), end-to-end
+  latency, completion tokens (from the final usage chunk).
+- **Per (method, rate)** (``<out>.md``): output-token throughput (tokens / (last finish - first
+  arrival)) as the mean over repeats with a 95% t-interval, TTFT / TPOT / end-to-end p50 and p99
+  over all requests of the cell, acceptance from the server's ``/metrics`` counters, and the load
+  average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ssd_jax.bench.stats import mean_ci
+from ssd_jax.errors import UserError
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """``n`` arrival offsets (s) of a Poisson process at ``rate`` per second, starting at 0."""
+    if not rate > 0 or n < 1:
+        raise UserError(f"--rates must be > 0 and --requests >= 1, got rate {rate}, n {n}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def parse_method(m: str) -> dict:
+    """``ar`` | ``sd:DRAFT[:K]`` (DRAFT: ngram or a draft name / path; K an integer or auto, the
+    default) -> server flags and a label."""
+    parts = m.split(":")
+    if parts == ["ar"]:
+        return {"name": "ar", "flags": ["--method", "ar"]}
+    if parts[0] == "sd" and len(parts) in (2, 3) and parts[1]:
+        k = parts[2] if len(parts) == 3 else "auto"
+        if k != "auto" and (not k.isdigit() or int(k) < 1):
+            raise UserError(f"method {m!r}: K must be a positive integer or auto")
+        label = "ngram" if parts[1] == "ngram" else "draft"
+        return {"name": f"sd-{label}-k{k}", "flags": ["--method", "sd", "--draft", parts[1], "--k", k]}
+    raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K)")
+
+
+def percentile(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, float), q)) if len(xs) else math.nan
+
+
+# --- one server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``python -m ssd_jax.serve`` subprocess on a free local port."""
+
+    def __init__(self, target: str, flags: list[str], extra: list[str], log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "ssd_jax.serve", "--target", target, "--port", str(self.port), *flags, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"server exited with {self.proc.returncode} (log: {self.log.name})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise UserError(f"server did not start within {timeout:.0f} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+    def counters(self) -> dict[str, float]:
+        """The server's ``/metrics`` counters (label-free and per-label sums)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+
+# --- the load
+
+
+async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: float, at: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    start = time.perf_counter()
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    first, tokens, status = None, None, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            if first is None and any((c.get("delta") or {}).get("content") for c in ch.get("choices") or []):
+                first = time.perf_counter()
+            if ch.get("usage"):
+                tokens = ch["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    ok = status == 200 and first is not None and tokens
+    return {"status": status, "ok": bool(ok), "arrival": at, "ttft": (first - start) if first else None,
+            "e2e": end - start, "tokens": tokens, "start": start - t0, "end": end - t0,
+            "tpot": (end - first) / (tokens - 1) if ok and tokens > 1 else None}
+
+
+async def run_load(url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int) -> list[dict]:
+    """Send ``prompts[i]`` at ``arrivals[i]`` (s from now), streamed; one record per request."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(arrivals) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        t0 = time.perf_counter()
+        return list(await asyncio.gather(*(_one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at)
+                                           for i, at in enumerate(arrivals))))
+
+
+def cell_summary(reqs: list[dict], spans: list[tuple[float, int]]) -> dict:
+    """One (method, rate) cell: throughput per repeat (tokens / span) with a 95% interval, latency percentiles."""
+    ok = [r for r in reqs if r["ok"]]
+    tput = [tok / span for span, tok in spans if span > 0]
+    m, lo, hi = mean_ci(tput) if len(tput) > 1 else (tput[0] if tput else math.nan, math.nan, math.nan)
+    out = {"requests": len(reqs), "failed": len(reqs) - len(ok), "throughput": [m, lo, hi]}
+    for key in ("ttft", "tpot", "e2e"):
+        xs = [r[key] for r in ok if r[key] is not None]
+        out[key] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+    return out
+
+
+def _spec_acceptance(before: dict, after: dict) -> float | None:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafted = d.get("ssd_jax:spec_decode_num_draft_tokens_total", 0.0)
+    return d.get("ssd_jax:spec_decode_num_accepted_tokens_total", 0.0) / drafted if drafted else None
+
+
+def render(rows: list[dict], env: dict) -> str:
+    runs = [r for r in rows if r.get("kind") == "request"]
+    cells: dict[tuple, list[dict]] = {}
+    spans: dict[tuple, list] = {}
+    acc: dict[tuple, list] = {}
+    for r in rows:
+        key = (r.get("method"), r.get("rate"))
+        if r.get("kind") == "request":
+            cells.setdefault(key, []).append(r)
+        elif r.get("kind") == "load":
+            spans.setdefault(key, []).append((r["span"], r["tokens"]))
+            if r.get("acceptance") is not None:
+                acc.setdefault(key, []).append(r["acceptance"])
+    lines = [f"# Serving benchmark: {env.get('target')}", "",
+             f"{env.get('backend')} ({env.get('cores')} cores), jax {env.get('jax')}, commit {env.get('commit')}; "
+             f"{env.get('requests')} requests per (method, rate, repeat), Poisson arrivals, chat endpoint, streamed, "
+             f"greedy, {env.get('max_tokens')} tokens per request (ignore_eos), {env.get('max_batch')} slots; "
+             f"methods interleaved per (repeat, rate). Load average (1 min) at start: {env.get('loadavg')}.", "",
+             "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]. "
+             "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
+             "requests of the cell.", "",
+             "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
+             "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance |", "|---|---|---|---|---|---|---|---|---|"]
+    rates = sorted({k[1] for k in cells})
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    for rate in rates:
+        base = None
+        for m in methods:
+            if (m, rate) not in cells:
+                continue
+            s = cell_summary(cells[(m, rate)], spans.get((m, rate), []))
+            t = s["throughput"]
+            if m == "ar":
+                base = t[0]
+            ratio = f"{t[0] / base:.2f}x" if base else "-"
+            a = acc.get((m, rate))
+            lines.append(
+                f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
+                f"| {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
+                f"{1e3 * s['tpot']['p99']:.0f} | {s['e2e']['p50']:.2f} / {s['e2e']['p99']:.2f} "
+                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _append(path: Path, row: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut by a kill
+            continue
+    return rows
+
+
+def _env(a) -> dict:
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"kind": "env", "target": a.target, "methods": a.methods, "rates": a.rates, "requests": a.requests,
+            "repeats": a.repeats, "max_tokens": a.max_tokens, "max_batch": a.max_batch,
+            "categories": a.categories, "jax": jax.__version__, "backend": jax.default_backend(),
+            "cores": os.cpu_count(), "commit": commit, "loadavg": os.getloadavg()[0]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ssd_jax.bench.serving", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"], help="ar | sd:ngram[:K] | sd:DRAFT[:K] (K: an integer or auto, the default)")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
+    p.add_argument("--requests", type=int, default=16, help="requests per (method, rate, repeat)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--categories", nargs="+", default=["code", "chat", "math", "copy"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=4, help="requests per server before measuring")
+    p.add_argument("--out", required=True, help="results prefix: writes <out>.jsonl and <out>.md")
+    p.add_argument("--report-only", action="store_true")
+    return p
+
+
+def run(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jsonl, md = out.with_suffix(".jsonl"), out.with_suffix(".md")
+    methods = [parse_method(m) for m in a.methods]
+    if a.report_only:
+        rows = read_rows(jsonl)
+        md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
+        print(f"wrote {md}")
+        return 0
+    from ssd_jax.bench.protocol import category_prompts
+
+    per_cat = [[r["prompt"] for r in category_prompts(c, a.requests)] for c in a.categories]
+    prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
+    if any(not isinstance(p, str) for p in prompts):
+        raise UserError("the serving benchmark sends text prompts; a category gave token ids")
+    rows = read_rows(jsonl)
+    done = {(r["method"], r["rate"], r["repeat"]) for r in rows if r.get("kind") == "load"}
+    env = _env(a)
+    _append(jsonl, env)
+    extra = ["--max-batch", str(a.max_batch), "--max-model-len", str(a.max_model_len),
+             "--max-waiting", str(4 * a.requests)]
+    servers = {}
+    try:
+        for m in methods:
+            servers[m["name"]] = Server(a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log")
+        for name, s in servers.items():
+            s.wait_ready()
+            asyncio.run(run_load(s.url, a.target, prompts[: a.warmup], [0.0] * a.warmup, a.max_tokens))
+            print(f"{name}: ready on {s.url}", file=sys.stderr)
+        names = list(servers)
+        for rep in range(a.repeats):
+            for ri, rate in enumerate(a.rates):
+                arrivals = poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
+                order = names[(rep + ri) % len(names):] + names[: (rep + ri) % len(names)]
+                for name in order:
+                    if (name, rate, rep) in done:
+                        continue
+                    s = servers[name]
+                    before, load = s.counters(), os.getloadavg()[0]
+                    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
+                    after = s.counters()
+                    for i, r in enumerate(reqs):
+                        _append(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
+                    ok = [r for r in reqs if r["ok"]]
+                    span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
+                    tokens = sum(r["tokens"] for r in ok)
+                    _append(jsonl, {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span,
+                                    "tokens": tokens, "failed": len(reqs) - len(ok), "loadavg": load,
+                                    "acceptance": _spec_acceptance(before, after)})
+                    print(f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
+                          file=sys.stderr)
+    finally:
+        for s in servers.values():
+            s.stop()
+    rows = read_rows(jsonl)
+    md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
+    print(f"wrote {md}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from ssd_jax.errors import cli_main
+
+    return cli_main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

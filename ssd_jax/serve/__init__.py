@@ -1,0 +1,52 @@
+"""An OpenAI-compatible server with continuous batching: ``python -m ssd_jax.serve`` (issue 16).
+
+How continuous batching maps onto the engine
+--------------------------------------------
+The server owns ONE static batch of ``max_batch`` slots, the same shape the offline loops run:
+a target KV cache ``(B, S)`` (and a draft cache for a draft model) with ``S = --max-model-len``
+slots per row. A slot holds one sequence (an API request with ``n > 1`` holds ``n`` slots).
+One host thread (:class:`~ssd_jax.serve.engine.Engine`) runs rounds:
+
+1. **admit** - between rounds, each waiting sequence takes a free slot. Its prompt is prefilled
+   in fixed chunks of ``C = --prefill-chunk`` tokens into that slot's row of the cache (one
+   compiled call per chunk, :func:`~ssd_jax.serve.programs.admit_chunk`: slice the row out,
+   ``runtime.prefill_step`` on it, write it back; a draft model's row likewise). The last chunk
+   samples the sequence's first token. Running rows wait at most one chunk per admission.
+2. **round** - one compiled call advances every slot: AR is ``runtime.decode_step``; SD is
+   ``sd.sd_round`` (draft K, verify, rejection-sample, advance) with the model drafter, or with
+   n-gram proposals made on the host. Free slots ride along (their results are ignored, their
+   cache length is parked at 0).
+3. **read** - the round's tokens come to the host; each row's :class:`RowState` (the offline
+   engine's detokeniser, EOS / stop / length checks) streams its new text to the request. A
+   finished or cancelled (client gone) sequence frees its slot; the slot is reused at step 1.
+
+Nothing recompiles while requests come and go: the shapes are fixed by ``(B, S, C, K)``, and at
+start-up the server compiles the admit program and the round program in both of its static
+variants (``needs_filter`` False / True: a round uses the filtering one when any running row
+asks for top-k / top-p, which leaves the other rows' distributions unchanged).
+
+Per-request sampling and seeds
+------------------------------
+``temperature``, ``top_p`` and ``top_k`` are per row already (``RowSampling``, device arrays),
+and the verifier is exact per row, so each request's distribution is exact whatever shares its
+batch. Offline, a batch draws from ONE key (``sample(fold_in(key, step), ...)``), so a row's
+draws depend on its position in the batch and the batch size. The samplers now also take a
+(B,) batch of row keys (``filters.sample``, ``filters.fold_in``, ``draft_propose``; ``verify``
+already did): the server gives each sequence its own key (from ``seed``, the n-th sample folds
+in n) and its own round counter, so a seeded request draws the same tokens whatever its
+neighbours and slot. Two batch-level choices could still leak between rows, and are fixed so:
+the n-gram round always verifies K columns (offline drops to 0 columns when no row has a
+proposal, which changes the shape of every row's uniforms), and SD's draft "catch-up" step is
+batch-wide (rewrites the row's last context token: the same values, so the same tokens up to
+float rounding of a 2-token vs 1-token step).
+
+For AR a seeded request equals offline ``generate`` of that prompt alone (batch of one) with
+the same seed: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
+
+``--k auto`` (the default) is resolved once at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
+measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk), and the
+server then runs that K for every round.
+
+Not here yet: SSD (``--method ssd``); the host still waits for each round before queueing the
+next (the offline loops overlap them).
+"""

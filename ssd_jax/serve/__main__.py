@@ -1,0 +1,117 @@
+"""``python -m ssd_jax.serve``: an OpenAI-compatible HTTP server (see :mod:`ssd_jax.serve`).
+
+Loads the model (and draft), compiles every program, then serves on ``--host:--port`` until
+SIGTERM / Ctrl-C: new connections stop, in-flight requests get ``--shutdown-timeout`` seconds to
+finish, what is left is cancelled, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+from ssd_jax.cli.args import Parser, add_model_args, add_spec_args, spec_from_args
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="python -m ssd_jax.serve", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    add_spec_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--max-batch", type=int, default=8, help="slots: sequences decoded together")
+    g.add_argument("--max-model-len", type=int, default=2048, help="KV-cache slots per sequence (prompt + "
+                   "generated + K + 1), capped by the model's context window")
+    g.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per call")
+    g.add_argument("--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    g.add_argument("--log-level", default="warning")
+    return p
+
+
+def run(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ssd_jax.errors import UserError
+
+    spec = spec_from_args(args)
+    if spec.method == "ssd":
+        raise UserError("the server runs --method ar or sd so far (SSD: not yet)")
+    if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0:
+        raise UserError("--max-batch and --prefill-chunk must be >= 1, --max-waiting >= 0")
+    spec.validate()
+
+    import uvicorn
+
+    from ssd_jax import load_model
+    from ssd_jax.serve.app import build_app
+    from ssd_jax.serve.engine import Engine
+    from ssd_jax.serve.metrics import Metrics
+
+    model = load_model(args.target, dtype=args.dtype)
+    draft = None
+    if spec.method == "sd" and spec.draft not in ("ngram", "random"):
+        from ssd_jax.drafters.base import check_same_tokenizer
+
+        draft = load_model(spec.draft, dtype=model.cfg.dtype)
+        check_same_tokenizer(model, draft)
+    max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
+    if draft is not None:
+        max_len = min(max_len, draft.cfg.max_position_embeddings)
+    k_note = ""
+    if spec.method == "sd" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
+        import dataclasses
+
+        from ssd_jax.decoding.kauto import resolve_k
+        from ssd_jax.sampling.filters import SamplingParams
+
+        resolved, info, _ = resolve_k(model, dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
+                                      SamplingParams(), args.max_batch, load_model)
+        spec = dataclasses.replace(spec, k=int(resolved.k))
+        k_note = (f" (auto: alpha {info['alpha']:.2f}, expected {info['expected_speedup_by_k'][str(spec.k)]:.2f}x AR, "
+                  f"{info['source']})")
+    k = 0 if spec.method == "ar" else int(spec.k)
+    metrics = Metrics(k)
+    engine = Engine(model, spec, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
+                    max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics)
+    compile_s = engine.compile_all()
+    name = args.served_model_name or str(args.target)
+    print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}" if k else "")
+          + f" slots={args.max_batch} context={max_len}: compiled in {compile_s:.1f}s; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    app = build_app(engine, name, metrics)
+    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGTERM / SIGINT end it with status 0: uvicorn re-raises the signal
+        after its graceful shutdown, which would kill the process with it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+def main(argv=None) -> int:
+    from ssd_jax.errors import cli_main
+
+    return cli_main(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The serving engine: slots, the waiting queue and the round loop on one host thread.
+
+See :mod:`ssd_jax.serve` for the design. The HTTP side talks to it through three calls:
+:meth:`Engine.submit` (queue sequences; refuses when the queue is full), :meth:`Engine.cancel`
+(a client went away) and :meth:`Engine.shutdown`. Each sequence reports through its ``sink``,
+called on the engine thread with ``("text", new_text)`` and finally ``("done", Sequence)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from ssd_jax.decoding.batch import RowState, eos_ids
+from ssd_jax.decoding.spec import SpecConfig
+from ssd_jax.drafters.ngram import ngram_proposals
+from ssd_jax.errors import UserError
+from ssd_jax.parallel.placement import cache_for, put_on
+from ssd_jax.sampling.filters import RowSampling, SamplingParams
+from ssd_jax.serve import programs
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound (HTTP 429)."""
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One generated sequence (an API request with ``n`` samples makes ``n``)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams  # n = 1; this sequence's seed
+    sink: Callable[[str, object], None]
+    index: int = 0  # the sample's index in its request: folded into the key after the first
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    row: RowState | None = None
+    cancelled: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" (OpenAI's names)
+    drafted: int = 0
+    accepted: int = 0
+
+
+def row_key(seed: int, index: int) -> np.ndarray:
+    """The (2,) uint32 key data of a sequence: ``key(seed)``, with the sample index folded in after the first."""
+    key = jax.random.key(seed)
+    if index:
+        key = jax.random.fold_in(key, index)
+    return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+def fresh_seed() -> int:
+    return secrets.randbits(63)
+
+
+class Engine:
+    """``max_batch`` slots over one static batch; one thread admits, runs rounds and streams."""
+
+    def __init__(self, model, spec: SpecConfig, *, max_batch: int, max_len: int, prefill_chunk: int = 64,
+                 max_waiting: int = 64, drafter_model=None, metrics=None):
+        if spec.method not in ("ar", "sd"):
+            raise UserError(f"the server runs methods ar and sd so far, not {spec.method}")
+        if spec.method == "sd" and spec.draft == "random":
+            raise UserError("the server's SD drafters are a draft model or ngram")
+        self.model, self.spec, self.B, self.max_len = model, spec, max_batch, max_len
+        self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
+        if spec.method == "sd" and spec.k == "auto":
+            raise UserError("the engine takes an integer k: resolve k='auto' first (ssd_jax.decoding.kauto.resolve_k)")
+        self.k = 0 if spec.method == "ar" else int(spec.k)
+        self.kind = "model" if drafter_model is not None else "host"
+        self.draft = drafter_model
+        self.extra_slots = 0 if spec.method == "ar" else self.k + 1
+        self.eos = eos_ids(model)
+        dcfg = drafter_model.cfg if drafter_model is not None else None
+        self._admit, self._rounds = programs.programs(model.cfg, dcfg, spec.method, self.k, self.kind)
+        self._put = functools.partial(put_on, model)
+
+        B = max_batch
+        self.slots: list[Sequence | None] = [None] * B
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # host copies of the per-row state, uploaded each round (a few (B,) arrays)
+        self.cur = np.zeros(B, np.int32)
+        self.prev = np.zeros(B, np.int32)
+        self.steps = np.ones(B, np.int32)
+        self.keys = np.zeros((B, 2), np.uint32)
+        self.active = np.zeros(B, bool)
+        self.temp = np.zeros(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.top_p = np.ones(B, np.float32)
+        self.catch_up = False
+        self.history: list[np.ndarray] = [np.zeros(0, np.int32)] * B
+        self.tcache = cache_for(model, B, max_len)
+        self.dcache = cache_for(drafter_model, B, max_len) if drafter_model is not None else None
+        self.compile_s = 0.0
+
+    # --- start-up: every program the loop will call, compiled now
+
+    def compile_all(self) -> float:
+        p = self._put
+        dparams = self.draft.params if self.draft is not None else None
+        rs1 = self._rs(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
+        self.compile_s += self._admit.precompile(
+            self.model.params, self.tcache, dparams, self.dcache, p(np.zeros((1, self.C), np.int32)),
+            p(np.ones(1, np.int32)), p(np.int32(0)), p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1)
+        for prog in self._rounds.values():
+            self.compile_s += prog.precompile(*self._round_args())
+        return self.compile_s
+
+    def _rs(self, t, k, pp) -> RowSampling:
+        return RowSampling(self._put(t), self._put(k), self._put(pp))
+
+    def _round_args(self, host_toks=None, host_n=None):
+        p = self._put
+        rs = self._rs(self.temp, self.top_k, self.top_p)
+        keys, steps, active = p(self.keys), p(self.steps), p(self.active)
+        if self.spec.method == "ar":
+            return (self.model.params, self.tcache, p(self.cur), keys, steps, active, rs)
+        B, K = self.B, self.k
+        if host_toks is None:
+            host_toks, host_n = np.zeros((B, K), np.int32), np.zeros(B, np.int32)
+        dparams = self.draft.params if self.draft is not None else None
+        return (self.model.params, self.tcache, dparams, self.dcache, p(self.cur), p(self.prev),
+                p(np.bool_(self.catch_up)), keys, steps, active, rs, p(host_toks), p(host_n))
+
+    # --- the HTTP side's calls (any thread)
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        need = n_prompt + max_tokens + self.extra_slots
+        if need > self.max_len:
+            raise UserError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the server's context of "
+                            f"{self.max_len - self.extra_slots} tokens")
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        with self._cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(seqs) > self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences)")
+            self.waiting.extend(seqs)
+            self._gauges()
+            self._cv.notify()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """Mark sequences cancelled; a waiting one never starts, a running one frees its slot next round."""
+        with self._cv:
+            for s in seqs:
+                s.cancelled = True
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ssd_jax-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, cancel what is left, and join the loop."""
+        with self._cv:
+            self._stop = True
+            for s in list(self.waiting) + [s for s in self.slots if s is not None]:
+                s.cancelled = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    # --- the engine thread
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running.set(self.running)
+            self.metrics.waiting.set(len(self.waiting))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._drop_cancelled()
+                while not self._stop and not self.waiting and not self.active.any():
+                    self._cv.wait(0.5)
+                if self._stop and not self.active.any():
+                    self._drop_cancelled()
+                    return
+                admit = []
+                while self.waiting and None in self.slots:
+                    s = self.waiting.popleft()
+                    if s.cancelled:
+                        self._finish(s, "cancelled")
+                        continue
+                    b = self.slots.index(None)
+                    self.slots[b] = s
+                    admit.append((b, s))
+                self._gauges()
+            for b, s in admit:
+                self._admit_one(b, s)
+            if self.active.any():
+                self._round()
+            with self._cv:
+                self._gauges()
+
+    def _drop_cancelled(self) -> None:
+        for b, s in enumerate(self.slots):
+            if s is not None and s.cancelled:
+                self._free(b, "cancelled")
+        kept = collections.deque()
+        for s in self.waiting:
+            if s.cancelled:
+                self._finish(s, "cancelled")
+            else:
+                kept.append(s)
+        self.waiting = kept
+
+    def _admit_one(self, b: int, s: Sequence) -> None:
+        p, sp, ids = self._put, s.sampling, s.prompt_ids
+        key = row_key(sp.seed, s.index)
+        rs1 = self._rs(np.array([sp.temperature], np.float32), np.array([sp.top_k], np.int32),
+                       np.array([sp.top_p], np.float32))
+        dparams = self.draft.params if self.draft is not None else None
+        tok = None
+        for start in range(0, len(ids), self.C):
+            chunk = ids[start: start + self.C]
+            block = np.zeros((1, self.C), np.int32)
+            block[0, : len(chunk)] = chunk
+            tok, self.tcache, self.dcache = self._admit(
+                self.model.params, self.tcache, dparams, self.dcache, p(block), p(np.array([len(chunk)], np.int32)),
+                p(np.int32(b)), p(np.int32(start)), p(key[None]), rs1)
+        first = int(np.asarray(tok)[0])
+        self.keys[b], self.steps[b], self.active[b] = key, 1, True
+        self.temp[b], self.top_k[b], self.top_p[b] = sp.temperature, sp.top_k, sp.top_p
+        self.cur[b], self.prev[b] = first, ids[-1]
+        if self.kind == "host":
+            self.history[b] = np.asarray(ids + [first], np.int32)
+        s.row = RowState(None, ids, self.model, sp, self.eos)
+        s.first_token_at = time.perf_counter()
+        self._push(b, [first])
+
+    def _push(self, b: int, toks) -> None:
+        """Hand a row its new tokens; streams text, frees the slot when the sequence ends."""
+        s = self.slots[b]
+        for t in toks:
+            new = s.row.push(int(t))
+            if new:
+                s.sink("text", new)
+            if s.row.done:
+                self._free(b, {"eos": "stop"}.get(s.row.finish_reason, s.row.finish_reason))
+                return
+
+    def _free(self, b: int, reason: str) -> None:
+        s = self.slots[b]
+        self.slots[b] = None
+        self.active[b] = False
+        self.temp[b], self.top_k[b], self.top_p[b] = 0.0, 0, 1.0
+        self._finish(s, reason)
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.finish_reason = reason
+        s.finished_at = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.sequence_done(s)
+        s.sink("done", s)
+
+    def _round(self) -> None:
+        live = self.active.copy()
+        needs_filter = bool(((self.top_k > 0) | (self.top_p < 1.0))[live].any())
+        prog = self._rounds[needs_filter]
+        if self.spec.method == "ar":
+            tok, self.tcache = prog(*self._round_args())
+            toks = np.asarray(tok)
+            self.cur[:] = toks
+            self.steps += 1
+            for b in np.flatnonzero(live):
+                self._push(b, [toks[b]])
+            return
+        host_toks = host_n = None
+        if self.kind == "host":
+            host_toks, host_n = ngram_proposals(self.history, self.k, self.spec.prompt_lookup_min,
+                                                self.spec.prompt_lookup_max, rows=np.flatnonzero(live))
+        out, self.tcache, self.dcache, cur, prev = prog(*self._round_args(host_toks, host_n))
+        out = np.asarray(out)
+        emitted, n_acc = out[:, :-1], out[:, -1]
+        n_draft = host_n if host_n is not None else np.full(self.B, self.k, np.int32)
+        self.cur[:], self.prev[:] = np.asarray(cur), np.asarray(prev)
+        self.steps += 1
+        self.catch_up = bool((n_acc >= n_draft)[live].any())
+        if self.metrics is not None:
+            self.metrics.spec_round(n_acc[live], n_draft[live])
+        for b in np.flatnonzero(live):
+            new = emitted[b, : n_acc[b] + 1]
+            s = self.slots[b]
+            s.drafted += int(n_draft[b])
+            s.accepted += int(n_acc[b])
+            if self.kind == "host":
+                self.history[b] = np.concatenate([self.history[b], new])
+            self._push(b, new)

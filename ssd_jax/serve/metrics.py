@@ -1,0 +1,57 @@
+"""The server's Prometheus metrics, named as vLLM names them (prefix ``ssd_jax:`` for ``vllm:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self, k: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("ssd_jax:request_success", "Finished API requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("ssd_jax:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("ssd_jax:generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("ssd_jax:time_to_first_token_seconds", "Arrival to first token, per sequence",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("ssd_jax:time_per_output_token_seconds", "Mean time per token after the first, per "
+                              "sequence", buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("ssd_jax:e2e_request_latency_seconds", "Arrival to last token, per sequence",
+                             buckets=_LATENCY, registry=r)
+        self.running = Gauge("ssd_jax:num_requests_running", "Sequences in a slot", registry=r)
+        self.waiting = Gauge("ssd_jax:num_requests_waiting", "Sequences waiting for a slot", registry=r)
+        self.drafts = Counter("ssd_jax:spec_decode_num_drafts", "Verify steps (one per running row per round)",
+                              registry=r)
+        self.draft_tokens = Counter("ssd_jax:spec_decode_num_draft_tokens", "Proposed tokens", registry=r)
+        self.accepted = Counter("ssd_jax:spec_decode_num_accepted_tokens", "Accepted proposed tokens", registry=r)
+        self.accepted_per_pos = Counter("ssd_jax:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted proposals by position in the round", ["position"], registry=r)
+        for j in range(k):
+            self.accepted_per_pos.labels(position=str(j))
+
+    def sequence_done(self, s) -> None:
+        """One sequence ended (engine thread): its tokens and latencies."""
+        n = len(s.row.tokens) if s.row is not None else 0
+        self.generation_tokens.inc(n)
+        if s.first_token_at is None:
+            return
+        ttft = s.first_token_at - s.arrived
+        self.ttft.observe(ttft)
+        self.e2e.observe(s.finished_at - s.arrived)
+        if n > 1:
+            self.tpot.observe((s.finished_at - s.first_token_at) / (n - 1))
+
+    def request_done(self, prompt_tokens: int, reason: str) -> None:
+        """One API request answered (all its sequences)."""
+        self.requests.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def spec_round(self, n_acc, n_draft) -> None:
+        """One SD round over the running rows."""
+        self.drafts.inc(len(n_acc))
+        self.draft_tokens.inc(int(n_draft.sum()))
+        self.accepted.inc(int(n_acc.sum()))
+        for j in range(int(n_acc.max(initial=0))):
+            self.accepted_per_pos.labels(position=str(j)).inc(int((n_acc > j).sum()))

@@ -1,0 +1,85 @@
+"""The server's device programs: admit one prompt chunk into a slot, and one round for every slot.
+
+Thin wrappers around the offline engine's steps (``runtime.prefill_step``, ``runtime.decode_step``,
+``drafters.model.draft_prefill``, ``sd.sd_round``) with row keys and per-row steps; each is one
+:class:`~ssd_jax.compile.Compiled` with the caches donated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ssd_jax.compile import Compiled
+from ssd_jax.decoding import runtime
+from ssd_jax.decoding.sd import sd_round
+from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.models.llama import KVCache
+
+
+def _row(cache: KVCache, slot, start) -> KVCache:
+    """Slot ``slot`` of ``cache`` as a batch of one, its length set to ``start``."""
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
+    return KVCache([take(x) for x in cache.k], [take(x) for x in cache.v], start[None])
+
+
+def _put_row(cache: KVCache, row: KVCache, slot) -> KVCache:
+    put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0)
+    return KVCache([put(x, r) for x, r in zip(cache.k, row.k)], [put(x, r) for x, r in zip(cache.v, row.v)],
+                   cache.lengths.at[slot].set(row.lengths[0]))
+
+
+def admit_chunk(tparams, tcache, dparams, dcache, tokens_1xC, n_valid_1, slot, start, key_1, rs_1, *, cfg, dcfg):
+    """Prefill one chunk of a prompt into slot ``slot`` (rows of both caches), at offset ``start``.
+
+    Returns (the token sampled after the chunk's last valid token, tcache, dcache); only the last
+    chunk's token is used. Sampling always filters (top-k 0 / top-p 1 leave a row unchanged), so one
+    program serves every request."""
+    keys = jax.random.wrap_key_data(key_1)
+    tok, row = runtime.prefill_step(tparams, _row(tcache, slot, start), tokens_1xC, n_valid_1, keys, rs_1, cfg=cfg,
+                                    needs_filter=True)
+    tcache = _put_row(tcache, row, slot)
+    if dcache is not None:
+        drow = draft_prefill(dparams, _row(dcache, slot, start), tokens_1xC, n_valid_1, cfg=dcfg)
+        dcache = _put_row(dcache, drow, slot)
+    return tok, tcache, dcache
+
+
+def _park(cache: KVCache | None, active_B) -> KVCache | None:
+    """Free slots keep length 0, so a slot never runs past the cache while it waits for a request."""
+    return None if cache is None else cache.with_lengths(jnp.where(active_B, cache.lengths, 0))
+
+
+def ar_round(params, cache, cur_B, key_Bx2, steps_B, active_B, rs, *, cfg, needs_filter):
+    """One AR step for every slot, each row drawing from its own key at its own step."""
+    keys = jax.random.wrap_key_data(key_Bx2)
+    tok, cache = runtime.decode_step(params, cache, cur_B, keys, steps_B, rs, cfg=cfg, needs_filter=needs_filter)
+    return tok, _park(cache, active_B)
+
+
+def spec_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, key_Bx2, steps_B, active_B, rs,
+               host_tokens_BxK, host_n_B, *, cfg, dcfg, k, vocab, needs_filter, kind):
+    """One SD round for every slot (:func:`ssd_jax.decoding.sd.sd_round` with row keys and steps).
+
+    Returns (emitted (B, K+2): tokens then n_accepted, tcache, dcache, cur, prev)."""
+    keys = jax.random.wrap_key_data(key_Bx2)
+    out, _, tcache, dcache, cur, prev, _, _ = sd_round(
+        tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, steps_B, keys, rs, host_tokens_BxK, host_n_B,
+        cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=vocab, needs_filter=needs_filter, kind=kind)
+    return out, _park(tcache, active_B), _park(dcache, active_B), cur, prev
+
+
+@functools.lru_cache(maxsize=8)
+def programs(cfg, dcfg, method: str, k: int, kind: str):
+    """(admit, {needs_filter: round}) for a target config, draft config (or None), method and drafter kind."""
+    admit = Compiled(functools.partial(admit_chunk, cfg=cfg, dcfg=dcfg), donate_argnums=(1, 3), name="admit")
+    if method == "ar":
+        rounds = {f: Compiled(functools.partial(ar_round, cfg=cfg, needs_filter=f), donate_argnums=(1,),
+                              name="ar_round") for f in (False, True)}
+    else:
+        rounds = {f: Compiled(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, k=k, vocab=cfg.vocab_size,
+                                                needs_filter=f, kind=kind), donate_argnums=(1, 3), name="sd_round")
+                  for f in (False, True)}
+    return admit, rounds

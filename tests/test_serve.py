@@ -1,0 +1,258 @@
+"""The OpenAI-compatible server (``python -m ssd_jax.serve``) in subprocesses on free ports, driven by the
+real ``openai`` client and httpx: greedy outputs equal offline ``ssd_jax.generate`` (AR, SD with a draft
+model, SD with n-gram), 32 concurrent requests, a disconnect, the 400 / 429 classes, /metrics, a clean
+SIGTERM, and the serving benchmark's load generator.
+
+The default set runs on tiny random Llamas (2 layers target, 1 layer draft, width 64) with SmolLM2's
+real tokenizer and chat template, so the servers start in seconds; the ``slow`` set runs every test
+again on SmolLM2-135M-Instruct and its shipped draft."""
+
+import asyncio
+import time
+
+import pytest
+from serve_helpers import client, metrics, start, stop
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.realmodel  # SmolLM2's tokenizer comes from the registry
+
+NAME = "served"
+PROMPTS = ["The capital of France is", "def fib(n):", "One, two, three, four,", "Water boils at",
+           "Once upon a time", "import numpy as np", "SELECT * FROM", "Dear Sir or Madam,"]
+MAX_TOKENS = [12, 8, 16, 10, 5, 14, 7, 11]
+SERVER_FLAGS = ["--served-model-name", NAME, "--max-model-len", "160", "--prefill-chunk", "16"]
+
+
+def _tiny_dir(path, tokenizer, layers: int, seed: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.bos_token_id)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15)  # far from uniform logits: greedy ties are unlikely
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def pair(request, tmp_path_factory):
+    """(target, draft): tiny random Llamas with SmolLM2's tokenizer (49,152 tokens) and chat template, or
+    (``slow``) SmolLM2-135M-Instruct itself with its shipped draft."""
+    if request.param == "smollm2":
+        return "smollm2-135m-instruct", "smollm2-135m-draft"
+    from ssd_jax.loading import load_numpy
+
+    tok = load_numpy("smollm2-135m-instruct").tokenizer
+    root = tmp_path_factory.mktemp("tiny-serve")
+    return _tiny_dir(root / "target", tok, 2, 0), _tiny_dir(root / "draft", tok, 1, 1)
+
+
+class _Servers:
+    """Servers of one pair, each started on first use: AR (4 slots), SD with the draft model (K auto,
+    calibrated at start-up, 4 slots) and SD with n-gram (K = 3, 2 slots)."""
+
+    FLAGS = {"ar": ["--max-batch", "4", "--max-waiting", "40"],
+             "sd": ["--method", "sd", "--draft", "{draft}", "--k", "auto", "--max-batch", "4", "--max-waiting", "40"],
+             "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"]}
+
+    def __init__(self, target, draft):
+        self.target, self.draft, self.started = target, draft, {}
+
+    def __getitem__(self, name):
+        if name not in self.started:
+            flags = [f.format(draft=self.draft) for f in self.FLAGS[name]]
+            self.started[name] = start(self.target, *SERVER_FLAGS, *flags)
+        return self.started[name][1]
+
+
+@pytest.fixture(scope="module")
+def servers(pair):
+    """Each server must exit 0 without a traceback on SIGTERM."""
+    s = _Servers(*pair)
+    try:
+        yield s
+    finally:
+        errs = {name: stop(proc) for name, (proc, _) in s.started.items()}
+    for name, (rc, err) in errs.items():
+        assert rc == 0 and "Traceback" not in err, f"{name}: {err[-2000:]}"
+    if "sd" in errs:
+        assert "(auto: alpha" in errs["sd"][1]  # the start-up line reports the K it chose
+
+
+@pytest.fixture(scope="module")
+def offline(pair):
+    """Offline ``ssd_jax.generate`` (AR): greedy ids per prompt, a chat answer, and a seeded sample."""
+    from ssd_jax import SamplingParams, generate, load_model
+
+    model = load_model(pair[0])
+    res = generate(model, PROMPTS, SamplingParams(max_new_tokens=max(MAX_TOKENS)))
+    plain = [o["token_ids"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
+    chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12), chat=True).outputs[0]
+    seeded = generate(model, [PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)).outputs[0]
+    return plain, chat, seeded
+
+
+def test_openai_client_matches_offline(servers, offline):
+    plain, chat, seeded = offline
+    c = client(servers["ar"])
+    r = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == plain[0]
+    assert r.usage.completion_tokens == len(plain[0])
+    # streamed: the pieces concatenate to the non-streamed text; usage comes in a last chunk without choices
+    s = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0, stream=True,
+                             stream_options={"include_usage": True})
+    chunks = list(s)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == len(plain[0]) and not chunks[-1].choices
+    m = [{"role": "user", "content": PROMPTS[0]}]
+    r = c.chat.completions.create(model=NAME, messages=m, max_tokens=12, temperature=0)
+    assert r.choices[0].model_extra["token_ids"] == chat["token_ids"]
+    assert r.choices[0].message.content == chat["text"]
+    s = c.chat.completions.create(model=NAME, messages=m, max_tokens=12, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == chat["text"]
+    # seeded sampling: the tokens of offline generate with that seed (a batch of one)
+    r = c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0.9, seed=11)
+    assert r.choices[0].model_extra["token_ids"] == seeded["token_ids"]
+    assert [x.id for x in c.models.list().data] == [NAME]
+
+
+@pytest.mark.parametrize("method", ["sd", pytest.param("ngram", marks=pytest.mark.slow)])
+def test_sd_servers_match_offline_and_count(servers, offline, method):
+    """SD (draft model / n-gram) greedy outputs equal offline AR, streamed or not; spec counters add up."""
+    url = servers[method]
+    c = client(url)
+    before = metrics(url)
+    for p, m, ref in zip(PROMPTS[:4], MAX_TOKENS, offline[0]):
+        r = c.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0)
+        assert r.choices[0].model_extra["token_ids"] == ref
+    s = c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == c.completions.create(
+        model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0).choices[0].text
+    after = metrics(url)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts, drafted = d["ssd_jax:spec_decode_num_drafts_total"], d["ssd_jax:spec_decode_num_draft_tokens_total"]
+    accepted = d["ssd_jax:spec_decode_num_accepted_tokens_total"]
+    assert drafts > 0 and 0 <= accepted <= drafted <= 8 * drafts  # K <= 8 (K auto's range)
+    assert sum(v for k, v in d.items() if k.startswith("ssd_jax:spec_decode_num_accepted_tokens_per_pos_total")) \
+        == accepted
+    # a row's round emits accepted + 1 tokens; the first token of each request comes from its prefill
+    # (the last round of a request may emit more than its max_tokens leave: those are dropped)
+    n_req, gen = 6, d["ssd_jax:generation_tokens_total"]
+    assert n_req + drafts <= gen <= n_req + drafts + accepted
+
+
+def _crowd(url, ids):
+    """Requests ``ids`` at once: even ones greedy on PROMPTS[j] (j = i/2), odd ones seeded, sampled with
+    top-p / top-k, ``n = 2`` for every fifth; returns {i: (kind, j, [token ids per choice], response ids)}."""
+
+    async def one(ac, i):
+        if i % 2 == 0:
+            j = (i // 2) % len(PROMPTS)
+            r = await ac.completions.create(model=NAME, prompt=PROMPTS[j], max_tokens=MAX_TOKENS[j], temperature=0)
+            return i, ("greedy", j, [r.choices[0].model_extra["token_ids"]], r.id)
+        n = 2 if i % 5 == 0 else 1
+        r = await ac.completions.create(model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=4 + i % 9,
+                                        temperature=0.8, top_p=0.9, seed=100 + i, n=n, extra_body={"top_k": 20})
+        return i, ("seeded", n, [ch.model_extra["token_ids"] for ch in sorted(r.choices, key=lambda c: c.index)],
+                   r.id)
+
+    async def all_of():
+        ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return dict(await asyncio.gather(*(one(ac, i) for i in ids)))
+
+    return asyncio.run(all_of())
+
+
+@pytest.mark.parametrize("method", ["ar", "sd"])
+def test_32_concurrent_requests(servers, offline, method):
+    """32 requests of different lengths and parameters on 4 slots: all complete, none lost or duplicated,
+    greedy ones equal offline, seeded ones give the same tokens when sent alone."""
+    url = servers[method]
+    res = _crowd(url, range(32))
+    assert sorted(res) == list(range(32)) and len({r[3] for r in res.values()}) == 32
+    for i, (kind, j, toks, _) in res.items():
+        if kind == "greedy":
+            assert toks == [offline[0][j]]
+        else:
+            assert len(toks) == j and all(1 <= len(t) <= 4 + i % 9 for t in toks)
+            if j == 2:
+                assert toks[0] != toks[1]  # the two samples of one request draw from their own streams
+    alone = _crowd(url, [5, 7])
+    assert alone[5][2] == res[5][2] and alone[7][2] == res[7][2]
+    assert httpx.get(url + "/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+def test_disconnect_frees_slot_and_metrics_add_up(servers):
+    url = servers["ar"]
+    c = client(url)
+    n2 = c.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=1, temperature=0).usage.prompt_tokens
+    before = metrics(url)
+    with httpx.stream("POST", url + "/v1/completions", json={"model": NAME, "prompt": PROMPTS[2], "max_tokens": 140,
+                      "stream": True, "ignore_eos": True}, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # leave mid-stream
+    deadline = time.time() + 30
+    while httpx.get(url + "/health").json()["running"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert httpx.get(url + "/health").json()["running"] == 0
+    r = c.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=5, temperature=0)
+    after = metrics(url)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert d["ssd_jax:request_success_total|finished_reason=abort"] == 1
+    assert d["ssd_jax:request_success_total|finished_reason=length"] == 1
+    assert d["ssd_jax:prompt_tokens_total"] == r.usage.prompt_tokens + n2
+    assert d["ssd_jax:generation_tokens_total"] >= r.usage.completion_tokens + 1  # the aborted one's too
+    assert d["ssd_jax:e2e_request_latency_seconds_count"] == 2
+    assert d["ssd_jax:time_to_first_token_seconds_count"] == 2
+    assert after["ssd_jax:num_requests_running"] == 0 and after["ssd_jax:num_requests_waiting"] == 0
+
+
+def test_bad_requests_get_400_and_full_queue_429(servers):
+    url = servers["ar"]
+    post = lambda body, **kw: httpx.post(url + "/v1/completions", timeout=30, **kw, **(  # noqa: E731
+        {"json": body} if body is not None else {}))
+    bad = [
+        post(None, content=b"{not json", headers={"content-type": "application/json"}),
+        post({"model": "no-such-model", "prompt": "hi"}),
+        post({"model": NAME, "prompt": "hi", "temperature": -1}),
+        post({"model": NAME, "prompt": "hi", "top_p": 0}),
+        post({"model": NAME, "prompt": "hi", "max_tokens": 0}),
+        post({"model": NAME}),  # no prompt
+        post({"model": NAME, "prompt": "hi " * 200}),  # longer than the 160-token context
+        post({"model": NAME, "prompt": "hi", "max_tokens": 1000}),
+        post({"model": NAME, "prompt": "hi", "n": 17}),
+        httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": []}),
+    ]
+    for r in bad:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+    # 3 prompts x n = 14: 42 sequences > the 40 that may wait
+    r = post({"model": NAME, "prompt": PROMPTS[:3], "max_tokens": 2, "n": 14})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_serving_benchmark_load(servers, tmp_path):
+    """The serving benchmark's Poisson load (ssd_jax.bench.serving) on a live server: every request streams
+    its tokens and the report's cell adds them up."""
+    from ssd_jax.bench import serving as sb
+
+    arrivals = sb.poisson_arrivals(20.0, 6, seed=1)
+    reqs = asyncio.run(sb.run_load(servers["sd"], NAME, PROMPTS, arrivals, 6))
+    assert [r["tokens"] for r in reqs] == [6] * 6 and all(r["ok"] and 0 < r["ttft"] <= r["e2e"] for r in reqs)
+    span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
+    rows = [{"kind": "request", "method": "sd", "rate": 20.0, "repeat": 0, **r} for r in reqs]
+    s = sb.cell_summary(rows, [(span, 36)])
+    assert s["requests"] == 6 and s["failed"] == 0 and s["throughput"][0] == pytest.approx(36 / span)
+    assert s["ttft"]["p50"] <= s["ttft"]["p99"] and s["tpot"]["p50"] > 0
+    assert "| 20 | sd | 6 (0) |" in sb.render(rows, {"target": NAME})
