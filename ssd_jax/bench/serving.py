@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ssd_jax.bench.stats import mean_ci
+from ssd_jax.bench.sweep import append_row, read_results
 from ssd_jax.errors import UserError
 
 
@@ -227,25 +228,6 @@ def render(rows: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _append(path: Path, row: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut by a kill
-            continue
-    return rows
-
-
 def _env(a) -> dict:
     import jax
 
@@ -285,7 +267,7 @@ def run(argv=None) -> int:
     jsonl, md = out.with_suffix(".jsonl"), out.with_suffix(".md")
     methods = [parse_method(m) for m in a.methods]
     if a.report_only:
-        rows = read_rows(jsonl)
+        rows = read_results(jsonl)
         md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
         print(f"wrote {md}")
         return 0
@@ -295,10 +277,10 @@ def run(argv=None) -> int:
     prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
     if any(not isinstance(p, str) for p in prompts):
         raise UserError("the serving benchmark sends text prompts; a category gave token ids")
-    rows = read_rows(jsonl)
+    rows = read_results(jsonl)
     done = {(r["method"], r["rate"], r["repeat"]) for r in rows if r.get("kind") == "load"}
     env = _env(a)
-    _append(jsonl, env)
+    append_row(jsonl, env)
     extra = ["--max-batch", str(a.max_batch), "--max-model-len", str(a.max_model_len),
              "--max-waiting", str(4 * a.requests)]
     servers = {}
@@ -322,11 +304,11 @@ def run(argv=None) -> int:
                     reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
                     after = s.counters()
                     for i, r in enumerate(reqs):
-                        _append(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
+                        append_row(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
                     ok = [r for r in reqs if r["ok"]]
                     span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
                     tokens = sum(r["tokens"] for r in ok)
-                    _append(jsonl, {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span,
+                    append_row(jsonl, {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span,
                                     "tokens": tokens, "failed": len(reqs) - len(ok), "loadavg": load,
                                     "acceptance": _spec_acceptance(before, after)})
                     print(f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
@@ -334,7 +316,7 @@ def run(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    rows = read_rows(jsonl)
+    rows = read_results(jsonl)
     md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
     print(f"wrote {md}")
     return 0
