@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import ssd_jax
@@ -122,8 +122,11 @@ def _rs(t, k, p, B=1):
     return RowSampling(jnp.full((B,), t, jnp.float32), jnp.full((B,), k, jnp.int32), jnp.full((B,), p, jnp.float32))
 
 
-def _ref_filter(logits, t, k, p):
-    """Straightforward numpy reference: temperature, then top-k, then top-p (mass before < p)."""
+def _ref_filter(logits, t, k, p, margin=0.0):
+    """Straightforward numpy reference: temperature, then top-k, then top-p (mass before < p).
+
+    With ``margin`` > 0, returns instead the mask of tokens whose mass-before lies within
+    ``margin`` of ``p``: float32 and float64 may honestly disagree about those."""
     x = logits / t
     order = np.argsort(-x, kind="stable")
     keep = np.zeros_like(x, bool)
@@ -131,7 +134,11 @@ def _ref_filter(logits, t, k, p):
     probs = np.exp(x[order[:kk]] - x[order[0]])
     probs /= probs.sum()
     before = np.cumsum(probs) - probs
-    keep[order[:kk][before < p]] = True
+    if margin:
+        near = np.zeros_like(x, bool)
+        near[order[:kk][np.abs(before - p) < margin]] = p < 1.0
+        return near
+    keep[order[:kk][(before < p) | (p >= 1.0)]] = True  # top_p 1 is off, even where float64 sums reach 1
     y = np.where(keep, x, -np.inf)
     return y - np.log(np.exp(y - y.max()).sum()) - y.max()
 
@@ -143,11 +150,18 @@ def _ref_filter(logits, t, k, p):
     k=st.integers(0, 20),
     p=st.floats(0.05, 1.0),
 )
+@example(seed=656, t=0.853515625, k=0, p=0.99999)  # a float32 boundary case CI once drew
 def test_filter_matches_reference(seed, t, k, p):
     logits = np.random.RandomState(seed).randn(32).astype(np.float32) * 3
     got = np.asarray(_filter(jnp.asarray(logits[None]), _rs(t, k, p), True))[0]
     want = _ref_filter(logits.astype(np.float64), t, k, p)
-    assert np.array_equal(np.isfinite(got), np.isfinite(want))
+    # a token whose mass-before is within float32 rounding of top_p may go either way
+    # (CI drew p = 0.99999 once); every other token's fate must match exactly
+    near = _ref_filter(logits.astype(np.float64), t, k, p, margin=1e-5)
+    assert np.array_equal(np.isfinite(got)[~near], np.isfinite(want)[~near])
+    if near.any():  # where one side dropped an ambiguous token, compare on the shared support
+        want = np.where(np.isfinite(got), want, -np.inf)
+        want = want - np.log(np.exp(want).sum())
     np.testing.assert_allclose(np.exp(got), np.exp(want), atol=1e-5)
     assert abs(np.exp(got).sum() - 1) < 1e-5
     assert np.isfinite(got).sum() >= 1
