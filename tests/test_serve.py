@@ -63,7 +63,8 @@ class _Servers:
 
     FLAGS = {"ar": ["--max-batch", "4", "--max-waiting", "40"],
              "sd": ["--method", "sd", "--draft", "{draft}", "--k", "auto", "--max-batch", "4", "--max-waiting", "40"],
-             "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"]}
+             "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
+             "ssd": ["--method", "ssd", "--draft", "{draft}", "--k", "3", "--max-batch", "4", "--max-waiting", "40"]}
 
     def __init__(self, target, draft):
         self.target, self.draft, self.started = target, draft, {}
@@ -77,7 +78,7 @@ class _Servers:
 
 @pytest.fixture(scope="module")
 def servers(pair):
-    """Each server must exit 0 without a traceback on SIGTERM."""
+    """Each server must exit 0 without a traceback on SIGTERM; each reports its set-up on start."""
     s = _Servers(*pair)
     try:
         yield s
@@ -87,6 +88,8 @@ def servers(pair):
         assert rc == 0 and "Traceback" not in err, f"{name}: {err[-2000:]}"
     if "sd" in errs:
         assert "(auto: alpha" in errs["sd"][1]  # the start-up line reports the K it chose
+    if "ssd" in errs:
+        assert "method=ssd" in errs["ssd"][1] and "fan-out budget=8" in errs["ssd"][1]  # 2 (K + 1) branches
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +129,10 @@ def test_openai_client_matches_offline(servers, offline):
     assert [x.id for x in c.models.list().data] == [NAME]
 
 
-@pytest.mark.parametrize("method", ["sd", pytest.param("ngram", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["sd", "ssd", pytest.param("ngram", marks=pytest.mark.slow)])
 def test_sd_servers_match_offline_and_count(servers, offline, method):
-    """SD (draft model / n-gram) greedy outputs equal offline AR, streamed or not; spec counters add up."""
+    """SD (draft model / n-gram) and SSD greedy outputs equal offline AR, streamed or not; spec counters add
+    up, SSD's cache lookups too (one per running row per round that goes on)."""
     url = servers[method]
     c = client(url)
     before = metrics(url)
@@ -149,6 +153,10 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     # (the last round of a request may emit more than its max_tokens leave: those are dropped)
     n_req, gen = 6, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
+    if method == "ssd":
+        assert drafted == 3 * drafts  # K = 3 proposals every round: from the cache or the backup
+        lookups, hits = d["ssd_jax:spec_decode_num_cache_lookups_total"], d["ssd_jax:spec_decode_num_cache_hits_total"]
+        assert 0 < lookups <= drafts and 0 <= hits <= lookups
 
 
 def _crowd(url, ids):
@@ -173,7 +181,7 @@ def _crowd(url, ids):
     return asyncio.run(all_of())
 
 
-@pytest.mark.parametrize("method", ["ar", "sd"])
+@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
 def test_32_concurrent_requests(servers, offline, method):
     """32 requests of different lengths and parameters on 4 slots: all complete, none lost or duplicated,
     greedy ones equal offline, seeded ones give the same tokens when sent alone."""

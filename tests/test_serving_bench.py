@@ -25,7 +25,9 @@ def test_methods_map_to_server_flags():
     assert m["name"] == "sd-ngram-k3" and m["flags"] == ["--method", "sd", "--draft", "ngram", "--k", "3"]
     assert sb.parse_method("sd:smollm2-135m-draft")["flags"][-1] == "auto"
     assert sb.parse_method("sd:ngram:auto")["name"] == "sd-ngram-kauto"
-    for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam"):
+    m = sb.parse_method("ssd:smollm2-135m-draft:4")
+    assert m["name"] == "ssd-draft-k4" and m["flags"] == ["--method", "ssd", "--draft", "smollm2-135m-draft", "--k", "4"]
+    for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam", "ssd:ngram:3"):
         with pytest.raises(UserError):
             sb.parse_method(bad)
 

@@ -1,6 +1,6 @@
 """Serving benchmark: Poisson load on ``python -m ssd_jax.serve`` (issue 16).
 
-``python -m ssd_jax.bench.serving --target NAME --methods ar sd:ngram:3 sd:DRAFT:2 --rates 0.5 1 2 ...``
+``python -m ssd_jax.bench.serving --target NAME --methods ar sd:ngram:3 sd:DRAFT:2 ssd:DRAFT:2 --rates 0.5 1 2 ...``
 
 - **Servers.** One server per method, all started before the first measurement and all kept up
   (an idle server's engine thread sleeps on a condition), so the methods can be interleaved:
@@ -16,8 +16,8 @@
   latency, completion tokens (from the final usage chunk).
 - **Per (method, rate)** (``<out>.md``): output-token throughput (tokens / (last finish - first
   arrival)) as the mean over repeats with a 95% t-interval, TTFT / TPOT / end-to-end p50 and p99
-  over all requests of the cell, acceptance from the server's ``/metrics`` counters, and the load
-  average.
+  over all requests of the cell, acceptance (and SSD's cache hit rate) from the server's ``/metrics``
+  counters, and the load average.
 """
 
 from __future__ import annotations
@@ -55,18 +55,19 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
 
 
 def parse_method(m: str) -> dict:
-    """``ar`` | ``sd:DRAFT[:K]`` (DRAFT: ngram or a draft name / path; K an integer or auto, the
-    default) -> server flags and a label."""
+    """``ar`` | ``sd:DRAFT[:K]`` | ``ssd:DRAFT[:K]`` (DRAFT: ngram (SD only) or a draft name / path; K an
+    integer or auto, the default) -> server flags and a label."""
     parts = m.split(":")
     if parts == ["ar"]:
         return {"name": "ar", "flags": ["--method", "ar"]}
-    if parts[0] == "sd" and len(parts) in (2, 3) and parts[1]:
+    if parts[0] in ("sd", "ssd") and len(parts) in (2, 3) and parts[1] and not (parts[0] == "ssd" and
+                                                                               parts[1] == "ngram"):
         k = parts[2] if len(parts) == 3 else "auto"
         if k != "auto" and (not k.isdigit() or int(k) < 1):
             raise UserError(f"method {m!r}: K must be a positive integer or auto")
         label = "ngram" if parts[1] == "ngram" else "draft"
-        return {"name": f"sd-{label}-k{k}", "flags": ["--method", "sd", "--draft", parts[1], "--k", k]}
-    raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K)")
+        return {"name": f"{parts[0]}-{label}-k{k}", "flags": ["--method", parts[0], "--draft", parts[1], "--k", k]}
+    raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K, ssd:DRAFT:K)")
 
 
 def percentile(xs, q: float) -> float:
@@ -178,10 +179,15 @@ def cell_summary(reqs: list[dict], spans: list[tuple[float, int]]) -> dict:
     return out
 
 
-def _spec_acceptance(before: dict, after: dict) -> float | None:
+def _ratio(before: dict, after: dict, num: str, den: str) -> float | None:
+    """The ratio of two counters' increments between two ``/metrics`` reads (None without any)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    drafted = d.get("ssd_jax:spec_decode_num_draft_tokens_total", 0.0)
-    return d.get("ssd_jax:spec_decode_num_accepted_tokens_total", 0.0) / drafted if drafted else None
+    n, m = d.get(f"ssd_jax:spec_decode_num_{num}_total", 0.0), d.get(f"ssd_jax:spec_decode_num_{den}_total", 0.0)
+    return n / m if m else None
+
+
+def _spec_acceptance(before: dict, after: dict) -> float | None:
+    return _ratio(before, after, "accepted_tokens", "draft_tokens")
 
 
 def render(rows: list[dict], env: dict) -> str:
@@ -189,6 +195,7 @@ def render(rows: list[dict], env: dict) -> str:
     cells: dict[tuple, list[dict]] = {}
     spans: dict[tuple, list] = {}
     acc: dict[tuple, list] = {}
+    hits: dict[tuple, list] = {}
     for r in rows:
         key = (r.get("method"), r.get("rate"))
         if r.get("kind") == "request":
@@ -197,6 +204,8 @@ def render(rows: list[dict], env: dict) -> str:
             spans.setdefault(key, []).append((r["span"], r["tokens"]))
             if r.get("acceptance") is not None:
                 acc.setdefault(key, []).append(r["acceptance"])
+            if r.get("cache_hit_rate") is not None:
+                hits.setdefault(key, []).append(r["cache_hit_rate"])
     lines = [f"# Serving benchmark: {env.get('target')}", "",
              f"{env.get('backend')} ({env.get('cores')} cores), jax {env.get('jax')}, commit {env.get('commit')}; "
              f"{env.get('requests')} requests per (method, rate, repeat), Poisson arrivals, chat endpoint, streamed, "
@@ -206,7 +215,7 @@ def render(rows: list[dict], env: dict) -> str:
              "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
              "requests of the cell.", "",
              "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
-             "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | cache hits |", "|---|---|---|---|---|---|---|---|---|---|"]
     rates = sorted({k[1] for k in cells})
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for rate in rates:
@@ -219,12 +228,12 @@ def render(rows: list[dict], env: dict) -> str:
             if m == "ar":
                 base = t[0]
             ratio = f"{t[0] / base:.2f}x" if base else "-"
-            a = acc.get((m, rate))
+            a, h = acc.get((m, rate)), hits.get((m, rate))
             lines.append(
                 f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
                 f"| {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
                 f"{1e3 * s['tpot']['p99']:.0f} | {s['e2e']['p50']:.2f} / {s['e2e']['p99']:.2f} "
-                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} |")
+                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} | {'-' if not h else f'{sum(h) / len(h):.2f}'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +254,8 @@ def _env(a) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"], help="ar | sd:ngram[:K] | sd:DRAFT[:K] (K: an integer or auto, the default)")
+    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"],
+                   help="ar | sd:ngram[:K] | sd:DRAFT[:K] | ssd:DRAFT[:K] (K: an integer or auto, the default)")
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
     p.add_argument("--requests", type=int, default=16, help="requests per (method, rate, repeat)")
     p.add_argument("--repeats", type=int, default=2)
@@ -310,7 +320,8 @@ def run(argv=None) -> int:
                     tokens = sum(r["tokens"] for r in ok)
                     append_row(jsonl, {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span,
                                     "tokens": tokens, "failed": len(reqs) - len(ok), "loadavg": load,
-                                    "acceptance": _spec_acceptance(before, after)})
+                                    "acceptance": _spec_acceptance(before, after),
+                                    "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups")})
                     print(f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
                           file=sys.stderr)
     finally:

@@ -16,7 +16,7 @@ import numpy as np
 from ssd_jax.compile import Compiled
 from ssd_jax.drafters.base import Proposal, align_vocab
 from ssd_jax.models import llama
-from ssd_jax.sampling.filters import RowSampling, filter_logprobs, is_key_batch, sample
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs, sample, split
 
 
 def draft_prefill(params, cache, tokens_BxT, n_valid_B, *, cfg):
@@ -70,11 +70,7 @@ def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k,
     def draw(key, lg, d):
         return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
 
-    if is_key_batch(key):  # row keys: (K, B), step d of row b from row b's key alone
-        keys = jax.vmap(lambda kb: jax.random.split(kb, k), out_axes=1)(key)
-    else:
-        keys = jax.random.split(key, k)
-    return draft_loop(params, cache, prev_B, cur_B, keys, draw, cfg=cfg, vocab=vocab, catch_up=catch_up)
+    return draft_loop(params, cache, prev_B, cur_B, split(key, k), draw, cfg=cfg, vocab=vocab, catch_up=catch_up)
 
 
 

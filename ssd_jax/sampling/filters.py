@@ -169,6 +169,22 @@ def fold_in(key: jax.Array, data) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(key, data)
 
 
+def split(key: jax.Array, n: int) -> jax.Array:
+    """``n`` keys along a new leading axis: ``jax.random.split`` of one key, or of each row key of a (B,)
+    batch (then (n, B): element d of row b comes from row b's key alone)."""
+    if not is_key_batch(key):
+        return jax.random.split(key, n)
+    return jax.vmap(lambda kb: jax.random.split(kb, n), out_axes=1)(key)
+
+
+def categorical(key: jax.Array, logp: jax.Array) -> jax.Array:
+    """``jax.random.categorical`` over the last axis of ``logp`` (B, ..., V); with a (B,) batch of row keys,
+    row b draws from its own key only."""
+    if is_key_batch(key):
+        return jax.vmap(lambda k, lp: jax.random.categorical(k, lp, axis=-1))(key, logp)
+    return jax.random.categorical(key, logp, axis=-1)
+
+
 def sample(key: jax.Array, logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool) -> jax.Array:
     """One token per row: argmax for greedy rows, a draw from the filtered distribution otherwise.
 
@@ -176,8 +192,5 @@ def sample(key: jax.Array, logits_BxV: jax.Array, rs: RowSampling, needs_filter:
     its own key (the same draw as a batch of one with that key)."""
     greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     lp = filter_logprobs(logits_BxV, rs, needs_filter)
-    if is_key_batch(key):
-        drawn = jax.vmap(lambda k, lp_1xV: jax.random.categorical(k, lp_1xV, axis=-1))(key, lp[:, None])[:, 0]
-    else:
-        drawn = jax.random.categorical(key, lp, axis=-1)
+    drawn = categorical(key, lp)
     return jnp.where(rs.temperature > 0, drawn.astype(jnp.int32), greedy)

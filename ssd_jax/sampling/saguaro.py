@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling.filters import RowSampling, filter_logprobs
+from ssd_jax.sampling.filters import RowSampling, categorical, filter_logprobs
 
 
 def saguaro_logprobs(logprobs: jax.Array, fan: jax.Array, c: float, f_max: int) -> jax.Array:
@@ -45,5 +45,5 @@ def draft_sample(key, logits, rs: RowSampling, fan, *, needs_filter, greedy, c, 
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     lp = saguaro_logprobs(filter_logprobs(logits, rs, needs_filter), fan, c, f_max)
-    return jax.random.categorical(key, lp, axis=-1).astype(jnp.int32), lp
+    return categorical(key, lp).astype(jnp.int32), lp
 

@@ -14,7 +14,9 @@ One host thread (:class:`~ssd_jax.serve.engine.Engine`) runs rounds:
    samples the sequence's first token. Running rows wait at most one chunk per admission.
 2. **round** - one compiled call advances every slot: AR is ``runtime.decode_step``; SD is
    ``sd.sd_round`` (draft K, verify, rejection-sample, advance) with the model drafter, or with
-   n-gram proposals made on the host. Free slots ride along (their results are ignored, their
+   n-gram proposals made on the host; SSD is the offline single-device ``rounds.fused_round``
+   (verify, rejection-sample, build the speculation tree, look the outcome up, neural backup
+   on a miss). Free slots ride along (their results are ignored, their
    cache length is parked at 0).
 3. **read** - the round's tokens come to the host; each row's :class:`RowState` (the offline
    engine's detokeniser, EOS / stop / length checks) streams its new text to the request. A
@@ -47,6 +49,23 @@ the same seed: same keys, same steps. Greedy requests equal offline greedy outpu
 measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk), and the
 server then runs that K for every round.
 
-Not here yet: SSD (``--method ssd``); the host still waits for each round before queueing the
-next (the offline loops overlap them).
+SSD over HTTP
+-------------
+``--method ssd`` runs both models on one device (the offline single-device mode, one compiled call
+per round) with the neural backup. Each slot's speculation (K tokens, and the K draft
+distributions q when its row samples) stays on the device between rounds; a sequence gets its
+first speculation at admission (K draft steps from its first token, one call on its row). Rows
+draw the tree's tokens, the backup's and the verifier's uniforms from their own keys
+(``filters.split`` / ``categorical`` / ``fold_in`` take row keys), and the fan-out schedule is
+fixed at the estimator's prior rather than adapted online to the batch's acceptance (offline
+adapts it), so a seeded SSD request does not depend on its neighbours either. A round whose
+running rows are all greedy runs the greedy program (no q: argmax drafting, as offline); a row
+that samples switches the batch to the sampling program, where the greedy rows' speculations
+are verified by the point-mass rule (q = -inf everywhere), exact for any proposal. Cache
+lookups and hits are counted in ``/metrics`` (``spec_decode_num_cache_lookups`` / ``_hits``).
+Not here: the two-mesh SSD (``--target-devices`` / ``--draft-devices``) and the n-gram / auto
+backups.
+
+Not here yet: the host still waits for each round before queueing the next (the offline loops
+overlap them).
 """

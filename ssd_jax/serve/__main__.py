@@ -37,8 +37,6 @@ def run(argv=None) -> int:
     from ssd_jax.errors import UserError
 
     spec = spec_from_args(args)
-    if spec.method == "ssd":
-        raise UserError("the server runs --method ar or sd so far (SSD: not yet)")
     if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0:
         raise UserError("--max-batch and --prefill-chunk must be >= 1, --max-waiting >= 0")
     spec.validate()
@@ -52,7 +50,7 @@ def run(argv=None) -> int:
 
     model = load_model(args.target, dtype=args.dtype)
     draft = None
-    if spec.method == "sd" and spec.draft not in ("ngram", "random"):
+    if spec.method != "ar" and spec.draft not in ("ngram", "random"):
         from ssd_jax.drafters.base import check_same_tokenizer
 
         draft = load_model(spec.draft, dtype=model.cfg.dtype)
@@ -61,7 +59,7 @@ def run(argv=None) -> int:
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
     k_note = ""
-    if spec.method == "sd" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
+    if spec.method != "ar" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
         import dataclasses
 
         from ssd_jax.decoding.kauto import resolve_k
@@ -78,7 +76,8 @@ def run(argv=None) -> int:
                     max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics)
     compile_s = engine.compile_all()
     name = args.served_model_name or str(args.target)
-    print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}" if k else "")
+    ssd = f" fan-out budget={engine.budget} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
+    print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
           + f" slots={args.max_batch} context={max_len}: compiled in {compile_s:.1f}s; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = build_app(engine, name, metrics)

@@ -21,6 +21,10 @@ import numpy as np
 
 from ssd_jax.decoding.batch import RowState, eos_ids
 from ssd_jax.decoding.spec import SpecConfig
+from ssd_jax.decoding.ssd.loop import fanout_setup, layout_table
+from ssd_jax.decoding.ssd.rounds import Control
+from ssd_jax.decoding.ssd.tree import Opts
+from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.errors import UserError
 from ssd_jax.parallel.placement import cache_for, put_on
@@ -67,13 +71,18 @@ class Engine:
 
     def __init__(self, model, spec: SpecConfig, *, max_batch: int, max_len: int, prefill_chunk: int = 64,
                  max_waiting: int = 64, drafter_model=None, metrics=None):
-        if spec.method not in ("ar", "sd"):
-            raise UserError(f"the server runs methods ar and sd so far, not {spec.method}")
+        if spec.method not in ("ar", "sd", "ssd"):
+            raise UserError(f"unknown method {spec.method!r} (ar, sd, ssd)")
         if spec.method == "sd" and spec.draft == "random":
             raise UserError("the server's SD drafters are a draft model or ngram")
+        if spec.method == "ssd" and (drafter_model is None or spec.backup not in ("neural", "auto")):
+            raise UserError("the server's SSD needs a draft model and runs the neural backup (--backup neural; "
+                            "auto means neural here)")
+        if spec.method != "ar" and (spec.target_devices is not None or spec.draft_devices is not None):
+            raise UserError("the server runs both models on one device (no --target-devices / --draft-devices)")
         self.model, self.spec, self.B, self.max_len = model, spec, max_batch, max_len
         self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
-        if spec.method == "sd" and spec.k == "auto":
+        if spec.method != "ar" and spec.k == "auto":
             raise UserError("the engine takes an integer k: resolve k='auto' first (ssd_jax.decoding.kauto.resolve_k)")
         self.k = 0 if spec.method == "ar" else int(spec.k)
         self.kind = "model" if drafter_model is not None else "host"
@@ -104,6 +113,28 @@ class Engine:
         self.tcache = cache_for(model, B, max_len)
         self.dcache = cache_for(drafter_model, B, max_len) if drafter_model is not None else None
         self.compile_s = 0.0
+        self.cache_hits = self.cache_lookups = 0
+        if spec.method == "ssd":
+            self._ssd_setup()
+
+    def _ssd_setup(self) -> None:
+        """SSD: the speculation (device-resident, with the draft distributions when a row samples), a
+        fan-out schedule fixed at the estimator's prior (so a seeded request does not depend on the
+        other rows' acceptance), and a draft cache with the speculation tree's region past the context."""
+        uniform, M, est = fanout_setup(self.spec)
+        K, B, cfg = self.k, self.B, self.model.cfg
+        _, kb_tab, rb_tab = layout_table(est, K, M, uniform)
+        fan = est.schedule(False)[:K]
+        self._ctl = Control(k=K, budget=M, batch=B)
+        self._ctrl_parts = (kb_tab, rb_tab, fan)
+        self._fan = self._put(np.asarray(fan, np.int32))
+        opts = Opts(k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=cfg.vocab_size, needs_filter=False, greedy=True,
+                    c=float(self.spec.saguaro_c), tree_base=self.max_len)
+        self._first, self._rounds = programs.ssd_programs(cfg, self.draft.cfg, opts, self._ctl)
+        self.dcache = cache_for(self.draft, B, self.max_len + M * K)
+        z = np.zeros(B, np.int32)
+        self.sp = Proposal(self._put(np.zeros((B, K), np.int32)), self._put(z + K), None, self._put(z.astype(bool)))
+        self.budget = M
 
     # --- start-up: every program the loop will call, compiled now
 
@@ -114,9 +145,39 @@ class Engine:
         self.compile_s += self._admit.precompile(
             self.model.params, self.tcache, dparams, self.dcache, p(np.zeros((1, self.C), np.int32)),
             p(np.ones(1, np.int32)), p(np.int32(0)), p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1)
+        if self.spec.method == "ssd":
+            return self._ssd_compile(rs1)
         for prog in self._rounds.values():
             self.compile_s += prog.precompile(*self._round_args())
         return self.compile_s
+
+    def _ssd_compile(self, rs1) -> float:
+        p = self._put
+        for greedy, prog in self._first.items():
+            self.compile_s += prog.precompile(self.draft.params, self.dcache, self._ssd_spec(greedy), p(np.zeros(1, np.int32)),
+                                              p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1, self._fan)
+        for (greedy, _), prog in self._rounds.items():
+            self.compile_s += prog.precompile(*self._ssd_round_args(greedy))
+        return self.compile_s
+
+    def _ssd_spec(self, greedy: bool) -> Proposal:
+        """The batch's speculation as the next program wants it: no q for a greedy one; for a sampling
+        one, q = all -inf (the point-mass rule) for rows whose speculation was drafted greedily."""
+        sp = self.sp
+        if greedy and sp.q is not None:
+            sp = Proposal(sp.tokens, sp.n_draft, None, sp.hit)
+        elif not greedy and sp.q is None:
+            q = self._put(np.full((self.B, self.k, self.model.cfg.vocab_size), -np.inf, np.float32))
+            sp = Proposal(sp.tokens, sp.n_draft, q, sp.hit)
+        self.sp = sp
+        return sp
+
+    def _ssd_round_args(self, greedy: bool):
+        p = self._put
+        rs = self._rs(self.temp, self.top_k, self.top_p)
+        ctrl = p(self._ctl.pack(*self._ctrl_parts, self.active))
+        return (self.model.params, self.tcache, self.draft.params, self.dcache, p(self.cur), self._ssd_spec(greedy),
+                p(self.keys), p(self.steps), p(self.active), rs, ctrl)
 
     def _rs(self, t, k, pp) -> RowSampling:
         return RowSampling(self._put(t), self._put(k), self._put(pp))
@@ -237,6 +298,11 @@ class Engine:
                 self.model.params, self.tcache, dparams, self.dcache, p(block), p(np.array([len(chunk)], np.int32)),
                 p(np.int32(b)), p(np.int32(start)), p(key[None]), rs1)
         first = int(np.asarray(tok)[0])
+        if self.spec.method == "ssd":  # the row's first speculation, drafted now
+            greedy = self.sp.q is None and sp.temperature == 0
+            self.sp, self.dcache = self._first[greedy](dparams, self.dcache, self._ssd_spec(greedy),
+                                                       p(np.array([first], np.int32)), p(np.int32(b)), p(key[None]),
+                                                       rs1, self._fan)
         self.keys[b], self.steps[b], self.active[b] = key, 1, True
         self.temp[b], self.top_k[b], self.top_p[b] = sp.temperature, sp.top_k, sp.top_p
         self.cur[b], self.prev[b] = first, ids[-1]
@@ -274,6 +340,8 @@ class Engine:
     def _round(self) -> None:
         live = self.active.copy()
         needs_filter = bool(((self.top_k > 0) | (self.top_p < 1.0))[live].any())
+        if self.spec.method == "ssd":
+            return self._ssd_round(live, needs_filter)
         prog = self._rounds[needs_filter]
         if self.spec.method == "ar":
             tok, self.tcache = prog(*self._round_args())
@@ -304,3 +372,26 @@ class Engine:
             if self.kind == "host":
                 self.history[b] = np.concatenate([self.history[b], new])
             self._push(b, new)
+
+    def _ssd_round(self, live, needs_filter: bool) -> None:
+        greedy = bool((self.temp[live] == 0).all())
+        K = self.k
+        out, self.sp, self.tcache, self.dcache, cur = self._rounds[greedy, needs_filter and not greedy](
+            *self._ssd_round_args(greedy))
+        out = np.asarray(out)
+        emitted, n_acc, hit = out[:, : K + 1], out[:, K + 1], out[:, K + 2] > 0
+        self.cur[:] = np.asarray(cur)
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.spec_round(n_acc[live], np.full(int(live.sum()), K))
+        for b in np.flatnonzero(live):
+            s = self.slots[b]
+            s.drafted += K
+            s.accepted += int(n_acc[b])
+            self._push(b, emitted[b, : n_acc[b] + 1])
+        # the lookup that made the next speculation, over the rows that go on
+        going = live & self.active
+        self.cache_lookups += int(going.sum())
+        self.cache_hits += int((hit & going).sum())
+        if self.metrics is not None:
+            self.metrics.cache_lookup(int(going.sum()), int((hit & going).sum()))

@@ -30,6 +30,10 @@ class Metrics:
                                         "Accepted proposals by position in the round", ["position"], registry=r)
         for j in range(k):
             self.accepted_per_pos.labels(position=str(j))
+        self.cache_lookups = Counter("ssd_jax:spec_decode_num_cache_lookups", "SSD: speculation-cache lookups (one "
+                                     "per running row per round)", registry=r)
+        self.cache_hits = Counter("ssd_jax:spec_decode_num_cache_hits", "SSD: lookups whose outcome was in the "
+                                  "speculation cache", registry=r)
 
     def sequence_done(self, s) -> None:
         """One sequence ended (engine thread): its tokens and latencies."""
@@ -55,3 +59,8 @@ class Metrics:
         self.accepted.inc(int(n_acc.sum()))
         for j in range(int(n_acc.max(initial=0))):
             self.accepted_per_pos.labels(position=str(j)).inc(int((n_acc > j).sum()))
+
+    def cache_lookup(self, lookups: int, hits: int) -> None:
+        """One SSD round's speculation-cache lookups."""
+        self.cache_lookups.inc(lookups)
+        self.cache_hits.inc(hits)

@@ -1,8 +1,8 @@
 """The server's device programs: admit one prompt chunk into a slot, and one round for every slot.
 
 Thin wrappers around the offline engine's steps (``runtime.prefill_step``, ``runtime.decode_step``,
-``drafters.model.draft_prefill``, ``sd.sd_round``) with row keys and per-row steps; each is one
-:class:`~ssd_jax.compile.Compiled` with the caches donated.
+``drafters.model.draft_prefill``, ``sd.sd_round``, SSD's ``rounds.fused_round``) with row keys and
+per-row steps; each is one :class:`~ssd_jax.compile.Compiled` with the caches donated.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import jax.numpy as jnp
 from ssd_jax.compile import Compiled
 from ssd_jax.decoding import runtime
 from ssd_jax.decoding.sd import sd_round
+from ssd_jax.decoding.ssd import tree as ssd_tree
+from ssd_jax.decoding.ssd.rounds import fused_round
+from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.model import draft_prefill
 from ssd_jax.models.llama import KVCache
+from ssd_jax.sampling.filters import fold_in
 
 
 def _row(cache: KVCache, slot, start) -> KVCache:
@@ -69,6 +73,53 @@ def spec_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, key_Bx
         tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, steps_B, keys, rs, host_tokens_BxK, host_n_B,
         cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=vocab, needs_filter=needs_filter, kind=kind)
     return out, _park(tcache, active_B), _park(dcache, active_B), cur, prev
+
+
+def ssd_first(dparams, dcache, sp: Proposal, cur_1, slot, key_1, rs_1, fan_K, *, dcfg, opts):
+    """The first speculation of the sequence just admitted to ``slot`` (neural, K draft steps from its
+    first token), written into the batch's speculation; with ``opts.greedy`` the batch carries no q."""
+    keys = fold_in(jax.random.wrap_key_data(key_1), 1)  # the row's draft stream, as in ssd_round
+    row = _row(dcache, slot, dcache.lengths[slot])
+    tokens, q, row = ssd_tree.draft_chain(dparams, row, cur_1, fold_in(keys, 0), rs_1, fan_K[None], cfg=dcfg,
+                                          opts=opts)
+    put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=0)
+    sp = Proposal(put(sp.tokens, tokens), sp.n_draft.at[slot].set(opts.k),
+                  None if sp.q is None else put(sp.q, q), sp.hit.at[slot].set(False))
+    return sp, _put_row(dcache, row, slot)
+
+
+def ssd_round(tparams, tcache, dparams, dcache, cur_B, sp: Proposal, key_Bx2, steps_B, active_B, rs, ctrl, *, cfg,
+              dcfg, opts, ctl, needs_filter):
+    """One SSD round for every slot (:func:`ssd_jax.decoding.ssd.rounds.fused_round`: verify, rejection
+    sampling, cache build and lookup with the neural backup, in one call) with row keys and steps.
+
+    Returns (host array (B, K+2+4): tokens, n_accepted, hit, post-miss, n_draft, live; the next
+    speculation, tcache, dcache, the next ``cur``)."""
+    keys = jax.random.wrap_key_data(key_Bx2)
+    kverify, kdraft = fold_in(keys, 2), fold_in(keys, 1)
+    B = cur_B.shape[0]
+    out, sp, _, tcache, dcache, cur, _ = fused_round(
+        tparams, tcache, dparams, dcache, cur_B, sp, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), steps_B,
+        kverify, kdraft, rs, ctrl, cfg=cfg, dcfg=dcfg, opts=opts, ctl=ctl, backup="neural", max_new=2 ** 30,
+        needs_filter=needs_filter)
+    return out, sp, _park(tcache, active_B), _park(dcache, active_B), cur
+
+
+@functools.lru_cache(maxsize=8)
+def ssd_programs(cfg, dcfg, opts, ctl):
+    """(first, {(greedy, needs_filter): round}) for SSD: greedy rounds carry no draft distributions."""
+    import dataclasses
+
+    first, rounds = {}, {}
+    for greedy in (True, False):
+        o = dataclasses.replace(opts, greedy=greedy, needs_filter=not greedy)
+        first[greedy] = Compiled(functools.partial(ssd_first, dcfg=dcfg, opts=o), donate_argnums=(1, 2),
+                                 name="ssd_first")
+        for f in ((False,) if greedy else (False, True)):
+            o = dataclasses.replace(opts, greedy=greedy, needs_filter=f)
+            rounds[greedy, f] = Compiled(functools.partial(ssd_round, cfg=cfg, dcfg=dcfg, opts=o, ctl=ctl,
+                                                           needs_filter=f), donate_argnums=(1, 3), name="ssd_round")
+    return first, rounds
 
 
 @functools.lru_cache(maxsize=8)

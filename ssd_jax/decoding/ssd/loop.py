@@ -74,7 +74,7 @@ def _intersection(x, y) -> float:
 
 
 
-def _layout_table(est, K: int, M: int, uniform: bool):
+def layout_table(est, K: int, M: int, uniform: bool):
     """Fan-out schedules and branch layouts for every row state (see :class:`.rounds.Control`)."""
     sched = np.stack([est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)])
     sched = sched.astype(np.int64)
@@ -89,8 +89,8 @@ def _branch_layouts(sched_bytes: bytes, shape: tuple, M: int):
 
 
 
-def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=None) -> GenerationResult:
-    # the spec was validated by generate() (SpecConfig._validate_ssd): backup, fan-out, budget, C
+def fanout_setup(spec, n_draft_devices: int = 1):
+    """(uniform?, branches per row M, the fan-out estimator) of a validated SSD spec with an integer K."""
     K = spec.k
     uniform = spec.fan_out != "geometric"
     if uniform:
@@ -98,8 +98,17 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         M = F * (K + 1)
     else:
         # default: two branches per acceptance position, rounded up to fill every draft device
-        n_dd = 1 if spec.target_devices is None and spec.draft_devices is None else (spec.draft_devices or 1)
+        n_dd = n_draft_devices
         M = spec.fan_out_budget if spec.fan_out_budget is not None else -(-2 * (K + 1) // n_dd) * n_dd
+    est = fo.FanoutEstimator(K, M, "uniform" if uniform else "geometric", uniform_F=F if uniform else None)
+    return uniform, M, est
+
+
+def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=None) -> GenerationResult:
+    # the spec was validated by generate() (SpecConfig._validate_ssd): backup, fan-out, budget, C
+    K = spec.k
+    n_dd = 1 if spec.target_devices is None and spec.draft_devices is None else (spec.draft_devices or 1)
+    uniform, M, est = fanout_setup(spec, n_dd)
 
     draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
     check_same_tokenizer(model, draft)
@@ -135,7 +144,6 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     tcache = cache_for(target, B, max_len)
     dcache = llama.init_cache(draft.cfg, B, max_len + M * K)
     dcache = jax.tree.map(dput, dcache)
-    est = fo.FanoutEstimator(K, M, "uniform" if uniform else "geometric", uniform_F=F if uniform else None)
     tl = Timeline(enabled=profiled)
     tlane, dlane = _lane(pl.target_devices), _lane(pl.draft_devices)
     hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
@@ -145,7 +153,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[spec.backup]
     first_kind = "random" if spec.backup == "random" else "neural"
     live = np.array([not r.done for r in rows])
-    sched, kb_tab, rb_tab = _layout_table(est, K, M, uniform)
+    sched, kb_tab, rb_tab = layout_table(est, K, M, uniform)
     ctrl0 = ctl.pack(kb_tab, rb_tab, est.schedule(False)[:K], live)
 
     # --- compile everything up front
@@ -351,7 +359,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         if pending is None:
             step += 1
             pending = dispatch(step, choose_kind())
-        sched, kb_tab, rb_tab = _layout_table(est, K, M, uniform)
+        sched, kb_tab, rb_tab = layout_table(est, K, M, uniform)
     wall = time.perf_counter() - t0
     rounds_done = stats.n_rounds
     if pending is not None:  # a queued round past the end: don't let it run into the caller's timing

@@ -25,6 +25,7 @@ from ssd_jax.decoding.ssd import tree
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.sampling.filters import fold_in
 
 META = 4  # per-row meta columns: hit, post_miss, n_draft, live (as the device saw it)
 
@@ -84,7 +85,7 @@ def build_round(dparams, dcache, cur_B, spec: Proposal, post_miss_B, step, key, 
     kb_tab, rb_tab, fan, _ = ctl.unpack(ctrl)
     row = jnp.where(post_miss_B, 1 + spec.n_draft, 0)
     return tree.build_tree(dparams, dcache, cur_B, spec.tokens, spec.n_draft, kb_tab[row], rb_tab[row], fan,
-                      jax.random.fold_in(key, 2 * step), rs, cfg=cfg, opts=opts)
+                      fold_in(key, 2 * step), rs, cfg=cfg, opts=opts)
 
 
 def advance_round(dparams, tree_, dcache, outcome, n_valid_B, step, key, rs, ctrl, host_tokens, host_n, *, cfg,
@@ -99,7 +100,7 @@ def advance_round(dparams, tree_, dcache, outcome, n_valid_B, step, key, rs, ctr
     _, _, fan, host_live = ctl.unpack(ctrl)
     live = host_live & (new_len - n_valid_B + 1 < max_new)
     sp, dcache = tree.advance(dparams, tree_, dcache, n_acc, bonus, new_len, live,
-                              jax.random.fold_in(key, 2 * step + 1), rs, fan, cfg=cfg, opts=opts, backup=backup,
+                              fold_in(key, 2 * step + 1), rs, fan, cfg=cfg, opts=opts, backup=backup,
                               host_tokens=host_tokens, host_n=host_n)
     post_miss = ~sp.hit if backup in ("random", "host") else jnp.zeros_like(sp.hit)
     meta = jnp.stack([sp.hit, post_miss, sp.n_draft, live], axis=1).astype(jnp.int32)
@@ -127,7 +128,7 @@ def fused_round(tparams, tcache, dparams, dcache, cur_B, spec: Proposal, post_mi
 def first_round(dparams, dcache, cur_B, key, rs, ctrl, *, cfg, opts: Opts, ctl: Control, backup: str):
     """The first speculation (no tree yet), with its post-miss flags."""
     _, _, fan, _ = ctl.unpack(ctrl)
-    sp, dcache = tree.first_spec(dparams, dcache, cur_B, jax.random.fold_in(key, 0), rs, fan, cfg=cfg, opts=opts,
+    sp, dcache = tree.first_spec(dparams, dcache, cur_B, fold_in(key, 0), rs, fan, cfg=cfg, opts=opts,
                             backup=backup)
     return sp, jnp.full(cur_B.shape, backup == "random"), dcache
 

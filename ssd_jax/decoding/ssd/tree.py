@@ -18,6 +18,7 @@ from ssd_jax.drafters.model import draft_loop
 from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.sampling.rejection import mark_point_mass
+from ssd_jax.sampling.filters import split
 from ssd_jax.sampling.saguaro import draft_sample
 
 
@@ -78,7 +79,7 @@ def draft_chain(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts):
                             c=opts.c, f_max=opts.budget)
 
     start = cache.lengths
-    toks, q, cache = draft_loop(params, cache, cur_B, cur_B, jax.random.split(key, opts.k), draw, cfg=cfg,
+    toks, q, cache = draft_loop(params, cache, cur_B, cur_B, split(key, opts.k), draw, cfg=cfg,
                                 vocab=opts.vocab, catch_up=False)
     return toks, q, cache.with_lengths(start)
 
@@ -126,7 +127,7 @@ def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_Bx
                                c=opts.c, f_max=opts.budget)
         return (cache, _constrain(nxt, opts)), (nxt, lp)
 
-    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, t0), (jnp.arange(K), jax.random.split(key, K)))
+    (cache, _), (toks, qs) = jax.lax.scan(body, (cache, t0), (jnp.arange(K), split(key, K)))
     tree = Tree(
         k=_constrain(jnp.where(valid, kb, -1), opts),
         t=t0,
