@@ -23,7 +23,8 @@ NAME = "served"
 PROMPTS = ["The capital of France is", "def fib(n):", "One, two, three, four,", "Water boils at",
            "Once upon a time", "import numpy as np", "SELECT * FROM", "Dear Sir or Madam,"]
 MAX_TOKENS = [12, 8, 16, 10, 5, 14, 7, 11]
-SERVER_FLAGS = ["--served-model-name", NAME, "--max-model-len", "160", "--prefill-chunk", "16"]
+# two attention windows, 80 and 160 slots: short requests run in the first, long ones cross into the second
+SERVER_FLAGS = ["--served-model-name", NAME, "--max-model-len", "160", "--prefill-chunk", "16", "--context-buckets", "2"]
 
 
 def _tiny_dir(path, tokenizer, layers: int, seed: int) -> str:
@@ -64,7 +65,7 @@ class _Servers:
     FLAGS = {"ar": ["--max-batch", "4", "--max-waiting", "40"],
              "sd": ["--method", "sd", "--draft", "{draft}", "--k", "auto", "--max-batch", "4", "--max-waiting", "40"],
              "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
-             "ssd": ["--method", "ssd", "--draft", "{draft}", "--k", "3", "--max-batch", "4", "--max-waiting", "40"]}
+             "ssd": ["--method", "ssd", "--draft", "{draft}", "--k", "2", "--max-batch", "4", "--max-waiting", "40"]}
 
     def __init__(self, target, draft):
         self.target, self.draft, self.started = target, draft, {}
@@ -89,7 +90,9 @@ def servers(pair):
     if "sd" in errs:
         assert "(auto: alpha" in errs["sd"][1]  # the start-up line reports the K it chose
     if "ssd" in errs:
-        assert "method=ssd" in errs["ssd"][1] and "fan-out budget=8" in errs["ssd"][1]  # 2 (K + 1) branches
+        assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
+    for _, err in errs.values():
+        assert "windows=80,160" in err
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +157,23 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     n_req, gen = 6, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
     if method == "ssd":
-        assert drafted == 3 * drafts  # K = 3 proposals every round: from the cache or the backup
+        assert drafted == 2 * drafts  # K = 2 proposals every round: from the cache or the backup
         lookups, hits = d["ssd_jax:spec_decode_num_cache_lookups_total"], d["ssd_jax:spec_decode_num_cache_hits_total"]
         assert 0 < lookups <= drafts and 0 <= hits <= lookups
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
+def test_long_generation_crosses_attention_windows(servers, pair, method):
+    """A greedy request whose context grows from the 80-slot window into the 160-slot one (a prompt of 3
+    prefill chunks, 88 new tokens) still equals offline AR token for token."""
+    from ssd_jax import SamplingParams, generate, load_model
+
+    prompt = " ".join(PROMPTS) + " " + " ".join(PROMPTS[:4])
+    ref = generate(load_model(pair[0]), [prompt], SamplingParams(max_new_tokens=88, ignore_eos=True)).outputs[0]
+    assert 32 < ref["prompt_tokens"] < 60
+    r = client(servers[method]).completions.create(model=NAME, prompt=prompt, max_tokens=88, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    assert r.choices[0].model_extra["token_ids"] == ref["token_ids"]
 
 
 def _crowd(url, ids):
@@ -264,3 +281,41 @@ def test_serving_benchmark_load(servers, tmp_path):
     assert s["requests"] == 6 and s["failed"] == 0 and s["throughput"][0] == pytest.approx(36 / span)
     assert s["ttft"]["p50"] <= s["ttft"]["p99"] and s["tpot"]["p50"] > 0
     assert "| 20 | sd | 6 (0) |" in sb.render(rows, {"target": NAME})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_fails_requests_then_503(pair, stream):
+    """A round that raises (a device lost, a bug) fails the running request with an OpenAI-style server
+    error (500, or an error event in the stream), and afterwards /health and new requests answer 503
+    instead of hanging. In-process (FastAPI's TestClient) with the round replaced by one that raises."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from ssd_jax import load_model
+    from ssd_jax.decoding.spec import SpecConfig
+    from ssd_jax.serve.app import build_app
+    from ssd_jax.serve.engine import Engine
+    from ssd_jax.serve.metrics import Metrics
+
+    m = Metrics(0)
+    engine = Engine(load_model(pair[0]), SpecConfig(), max_batch=2, max_len=64, prefill_chunk=16, metrics=m)
+
+    def boom(*args):
+        raise RuntimeError("device lost\nwhile decoding")
+
+    engine._rounds = dict.fromkeys(engine._rounds, boom)
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    with TestClient(build_app(engine, NAME, m)) as c:
+        if stream:
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+            assert r.status_code == 200 and events[-1]["error"]["type"] == "server_error"
+            assert "device lost while decoding" in events[-1]["error"]["message"]
+        else:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 500 and "RuntimeError: device lost while decoding" in r.json()["error"]["message"]
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "error"
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"

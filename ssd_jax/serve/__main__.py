@@ -25,6 +25,9 @@ def build_parser() -> Parser:
     g.add_argument("--max-model-len", type=int, default=2048, help="KV-cache slots per sequence (prompt + "
                    "generated + K + 1), capped by the model's context window")
     g.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per call")
+    g.add_argument("--context-buckets", type=int, default=4, help="attention windows compiled: --max-model-len "
+                   "halved this many times minus one; a round attends over the smallest window that holds every "
+                   "running context (1: always the whole cache)")
     g.add_argument("--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
@@ -37,8 +40,8 @@ def run(argv=None) -> int:
     from ssd_jax.errors import UserError
 
     spec = spec_from_args(args)
-    if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0:
-        raise UserError("--max-batch and --prefill-chunk must be >= 1, --max-waiting >= 0")
+    if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0 or args.context_buckets < 1:
+        raise UserError("--max-batch, --prefill-chunk and --context-buckets must be >= 1, --max-waiting >= 0")
     spec.validate()
 
     import uvicorn
@@ -73,12 +76,14 @@ def run(argv=None) -> int:
     k = 0 if spec.method == "ar" else int(spec.k)
     metrics = Metrics(k)
     engine = Engine(model, spec, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                    max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics)
+                    max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics,
+                    context_buckets=args.context_buckets)
     compile_s = engine.compile_all()
     name = args.served_model_name or str(args.target)
     ssd = f" fan-out budget={engine.budget} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
     print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
-          + f" slots={args.max_batch} context={max_len}: compiled in {compile_s:.1f}s; "
+          + f" slots={args.max_batch} context={max_len} windows={','.join(map(str, engine.windows))}: "
+          f"compiled in {compile_s:.1f}s; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = build_app(engine, name, metrics)
     server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

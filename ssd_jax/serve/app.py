@@ -23,7 +23,7 @@ from sse_starlette.sse import EventSourceResponse
 from ssd_jax.decoding.batch import encode_prompts
 from ssd_jax.errors import UserError
 from ssd_jax.sampling.filters import SamplingParams
-from ssd_jax.serve.engine import Engine, QueueFull, Sequence, fresh_seed
+from ssd_jax.serve.engine import Engine, EngineDead, QueueFull, Sequence, fresh_seed
 
 
 class _Common(BaseModel):
@@ -81,6 +81,8 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": engine.error}, 503)
         return {"status": "ok", "running": engine.running, "waiting": len(engine.waiting)}
 
     @app.get("/v1/models")
@@ -136,6 +138,8 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
             engine.submit(seqs)
         except QueueFull as e:
             return error(429, str(e), kind="rate_limit_error")
+        except EngineDead as e:
+            return error(503, str(e), kind="server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         n_prompt = sum(len(ids) for ids in prompts_ids)
@@ -167,6 +171,8 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
                 metrics.request_done(n_prompt, "abort")
                 raise
             finished(lambda s: s.finish_reason)
+            if any(s.finish_reason == "error" for s in seqs):
+                return error(500, f"the engine failed: {engine.error}", kind="server_error")
             choices = []
             for i, s in enumerate(seqs):
                 text = s.row.text if s.row is not None else ""
@@ -202,6 +208,11 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
                     i, kind, x = await q.get()
                     if kind == "text":
                         yield chunk([piece(i, x)])
+                    elif x.finish_reason == "error":  # OpenAI streams an error object, then ends
+                        remaining -= 1
+                        yield json.dumps({"error": {"message": f"the engine failed: {engine.error}",
+                                                    "type": "server_error", "param": None, "code": 500}})
+                        return
                     else:
                         remaining -= 1
                         yield chunk([piece(i, finish=x.finish_reason)])

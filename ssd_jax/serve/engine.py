@@ -36,6 +36,10 @@ class QueueFull(Exception):
     """The waiting queue is at its bound (HTTP 429)."""
 
 
+class EngineDead(Exception):
+    """The engine thread stopped on an error: no request can be served any more (HTTP 503)."""
+
+
 @dataclasses.dataclass
 class Sequence:
     """One generated sequence (an API request with ``n`` samples makes ``n``)."""
@@ -49,7 +53,7 @@ class Sequence:
     finished_at: float | None = None
     row: RowState | None = None
     cancelled: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" (OpenAI's names)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" (the engine failed)
     drafted: int = 0
     accepted: int = 0
 
@@ -70,7 +74,7 @@ class Engine:
     """``max_batch`` slots over one static batch; one thread admits, runs rounds and streams."""
 
     def __init__(self, model, spec: SpecConfig, *, max_batch: int, max_len: int, prefill_chunk: int = 64,
-                 max_waiting: int = 64, drafter_model=None, metrics=None):
+                 max_waiting: int = 64, drafter_model=None, metrics=None, context_buckets: int = 4):
         if spec.method not in ("ar", "sd", "ssd"):
             raise UserError(f"unknown method {spec.method!r} (ar, sd, ssd)")
         if spec.method == "sd" and spec.draft == "random":
@@ -90,7 +94,9 @@ class Engine:
         self.extra_slots = 0 if spec.method == "ar" else self.k + 1
         self.eos = eos_ids(model)
         dcfg = drafter_model.cfg if drafter_model is not None else None
-        self._admit, self._rounds = programs.programs(model.cfg, dcfg, spec.method, self.k, self.kind)
+        # attention windows: a round attends over the smallest that holds every running row's context
+        self.windows = programs.context_windows(max_len, context_buckets)
+        self._admit, self._rounds = programs.programs(model.cfg, dcfg, spec.method, self.k, self.kind, self.windows)
         self._put = functools.partial(put_on, model)
 
         B = max_batch
@@ -98,6 +104,7 @@ class Engine:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
+        self.error: str | None = None  # set when the engine thread failed: one line
         self._thread: threading.Thread | None = None
         # host copies of the per-row state, uploaded each round (a few (B,) arrays)
         self.cur = np.zeros(B, np.int32)
@@ -130,7 +137,7 @@ class Engine:
         self._fan = self._put(np.asarray(fan, np.int32))
         opts = Opts(k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=cfg.vocab_size, needs_filter=False, greedy=True,
                     c=float(self.spec.saguaro_c), tree_base=self.max_len)
-        self._first, self._rounds = programs.ssd_programs(cfg, self.draft.cfg, opts, self._ctl)
+        self._first, self._rounds = programs.ssd_programs(cfg, self.draft.cfg, opts, self._ctl, self.windows)
         self.dcache = cache_for(self.draft, B, self.max_len + M * K)
         z = np.zeros(B, np.int32)
         self.sp = Proposal(self._put(np.zeros((B, K), np.int32)), self._put(z + K), None, self._put(z.astype(bool)))
@@ -142,9 +149,10 @@ class Engine:
         p = self._put
         dparams = self.draft.params if self.draft is not None else None
         rs1 = self._rs(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
-        self.compile_s += self._admit.precompile(
-            self.model.params, self.tcache, dparams, self.dcache, p(np.zeros((1, self.C), np.int32)),
-            p(np.ones(1, np.int32)), p(np.int32(0)), p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1)
+        for admit in self._admit.values():
+            self.compile_s += admit.precompile(
+                self.model.params, self.tcache, dparams, self.dcache, p(np.zeros((1, self.C), np.int32)),
+                p(np.ones(1, np.int32)), p(np.int32(0)), p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1)
         if self.spec.method == "ssd":
             return self._ssd_compile(rs1)
         for prog in self._rounds.values():
@@ -156,7 +164,7 @@ class Engine:
         for greedy, prog in self._first.items():
             self.compile_s += prog.precompile(self.draft.params, self.dcache, self._ssd_spec(greedy), p(np.zeros(1, np.int32)),
                                               p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1, self._fan)
-        for (greedy, _), prog in self._rounds.items():
+        for (greedy, _, _), prog in self._rounds.items():
             self.compile_s += prog.precompile(*self._ssd_round_args(greedy))
         return self.compile_s
 
@@ -205,6 +213,8 @@ class Engine:
 
     def submit(self, seqs: list[Sequence]) -> None:
         with self._cv:
+            if self.error is not None:
+                raise EngineDead(f"the engine failed: {self.error}")
             if self._stop:
                 raise QueueFull("the server is shutting down")
             if len(self.waiting) + len(seqs) > self.max_waiting:
@@ -246,6 +256,27 @@ class Engine:
             self.metrics.waiting.set(len(self.waiting))
 
     def _loop(self) -> None:
+        try:
+            self._rounds_until_stopped()
+        except Exception as e:  # noqa: BLE001 - a device or host failure: fail every request, stay up for /health
+            self._die(e)
+
+    def _die(self, e: Exception) -> None:
+        """Every sequence in a slot or waiting ends with ``error``; later submissions get :class:`EngineDead`."""
+        import sys
+
+        msg = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        print(f"[serve] engine failed: {msg}", file=sys.stderr, flush=True)
+        with self._cv:
+            self.error, self._stop = msg, True
+            pending = [s for s in self.slots if s is not None] + list(self.waiting)
+            self.slots, self.waiting = [None] * self.B, collections.deque()
+            self.active[:] = False
+            self._gauges()
+        for s in pending:
+            self._finish(s, "error")
+
+    def _rounds_until_stopped(self) -> None:
         while True:
             with self._cv:
                 self._drop_cancelled()
@@ -294,7 +325,7 @@ class Engine:
             chunk = ids[start: start + self.C]
             block = np.zeros((1, self.C), np.int32)
             block[0, : len(chunk)] = chunk
-            tok, self.tcache, self.dcache = self._admit(
+            tok, self.tcache, self.dcache = self._admit[self._window(start + self.C)](
                 self.model.params, self.tcache, dparams, self.dcache, p(block), p(np.array([len(chunk)], np.int32)),
                 p(np.int32(b)), p(np.int32(start)), p(key[None]), rs1)
         first = int(np.asarray(tok)[0])
@@ -337,12 +368,22 @@ class Engine:
             self.metrics.sequence_done(s)
         s.sink("done", s)
 
+    def _window(self, need: int) -> int:
+        """The smallest compiled attention window of at least ``need`` slots."""
+        return next((w for w in self.windows if w >= need), self.windows[-1])
+
+    def _round_window(self) -> int:
+        """The window of this round: every running row's cache slots, with the round's writes, lie below it."""
+        need = max(len(s.prompt_ids) + len(s.row.tokens) for s in self.slots if s is not None and s.row is not None)
+        return self._window(need + self.extra_slots + 1)
+
     def _round(self) -> None:
         live = self.active.copy()
         needs_filter = bool(((self.top_k > 0) | (self.top_p < 1.0))[live].any())
+        w = self._round_window()
         if self.spec.method == "ssd":
-            return self._ssd_round(live, needs_filter)
-        prog = self._rounds[needs_filter]
+            return self._ssd_round(live, needs_filter, w)
+        prog = self._rounds[needs_filter, w]
         if self.spec.method == "ar":
             tok, self.tcache = prog(*self._round_args())
             toks = np.asarray(tok)
@@ -373,10 +414,10 @@ class Engine:
                 self.history[b] = np.concatenate([self.history[b], new])
             self._push(b, new)
 
-    def _ssd_round(self, live, needs_filter: bool) -> None:
+    def _ssd_round(self, live, needs_filter: bool, window: int) -> None:
         greedy = bool((self.temp[live] == 0).all())
         K = self.k
-        out, self.sp, self.tcache, self.dcache, cur = self._rounds[greedy, needs_filter and not greedy](
+        out, self.sp, self.tcache, self.dcache, cur = self._rounds[greedy, needs_filter and not greedy, window](
             *self._ssd_round_args(greedy))
         out = np.asarray(out)
         emitted, n_acc, hit = out[:, : K + 1], out[:, K + 1], out[:, K + 2] > 0

@@ -26,13 +26,31 @@ from ssd_jax.sampling.filters import fold_in
 def _row(cache: KVCache, slot, start) -> KVCache:
     """Slot ``slot`` of ``cache`` as a batch of one, its length set to ``start``."""
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
-    return KVCache([take(x) for x in cache.k], [take(x) for x in cache.v], start[None])
+    return KVCache([take(x) for x in cache.k], [take(x) for x in cache.v], start[None], cache.window)
 
 
 def _put_row(cache: KVCache, row: KVCache, slot) -> KVCache:
     put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0)
     return KVCache([put(x, r) for x, r in zip(cache.k, row.k)], [put(x, r) for x, r in zip(cache.v, row.v)],
                    cache.lengths.at[slot].set(row.lengths[0]))
+
+
+def context_windows(max_len: int, buckets: int) -> tuple[int, ...]:
+    """The attention windows a server compiles (``KVCache.window``): ``max_len`` halved ``buckets - 1``
+    times, each rounded up to a multiple of 16 and at least 32."""
+    if buckets < 1:
+        raise ValueError("buckets must be >= 1")
+    return tuple(sorted({max_len} | {min(max_len, max(32, -(-(max_len >> i) // 16) * 16)) for i in range(buckets)}))
+
+
+def windowed(fn, window: int, cache_args=(1, 3)):
+    """``fn`` with the KV caches among ``cache_args`` attending over their first ``window`` slots only, and
+    every cache it returns back to the full window (so the stored caches keep one pytree structure)."""
+    def run(*args):
+        args = [a.with_window(window) if i in cache_args and isinstance(a, KVCache) else a for i, a in enumerate(args)]
+        return tuple(o.with_window(None) if isinstance(o, KVCache) else o for o in fn(*args))
+
+    return run
 
 
 def admit_chunk(tparams, tcache, dparams, dcache, tokens_1xC, n_valid_1, slot, start, key_1, rs_1, *, cfg, dcfg):
@@ -106,8 +124,10 @@ def ssd_round(tparams, tcache, dparams, dcache, cur_B, sp: Proposal, key_Bx2, st
 
 
 @functools.lru_cache(maxsize=8)
-def ssd_programs(cfg, dcfg, opts, ctl):
-    """(first, {(greedy, needs_filter): round}) for SSD: greedy rounds carry no draft distributions."""
+def ssd_programs(cfg, dcfg, opts, ctl, windows: tuple[int, ...]):
+    """(first, {(greedy, needs_filter, window): round}) for SSD: greedy rounds carry no draft
+    distributions; the window applies to the target cache only (the draft's tree region lies past
+    the context)."""
     import dataclasses
 
     first, rounds = {}, {}
@@ -117,20 +137,24 @@ def ssd_programs(cfg, dcfg, opts, ctl):
                                  name="ssd_first")
         for f in ((False,) if greedy else (False, True)):
             o = dataclasses.replace(opts, greedy=greedy, needs_filter=f)
-            rounds[greedy, f] = Compiled(functools.partial(ssd_round, cfg=cfg, dcfg=dcfg, opts=o, ctl=ctl,
-                                                           needs_filter=f), donate_argnums=(1, 3), name="ssd_round")
+            fn = functools.partial(ssd_round, cfg=cfg, dcfg=dcfg, opts=o, ctl=ctl, needs_filter=f)
+            for w in windows:
+                rounds[greedy, f, w] = Compiled(windowed(fn, w, cache_args=(1,)), donate_argnums=(1, 3),
+                                                name=f"ssd_round_w{w}")
     return first, rounds
 
 
 @functools.lru_cache(maxsize=8)
-def programs(cfg, dcfg, method: str, k: int, kind: str):
-    """(admit, {needs_filter: round}) for a target config, draft config (or None), method and drafter kind."""
-    admit = Compiled(functools.partial(admit_chunk, cfg=cfg, dcfg=dcfg), donate_argnums=(1, 3), name="admit")
+def programs(cfg, dcfg, method: str, k: int, kind: str, windows: tuple[int, ...]):
+    """({window: admit}, {(needs_filter, window): round}) for a target config, draft config (or None),
+    method, drafter kind and the attention windows."""
+    admit = {w: Compiled(windowed(functools.partial(admit_chunk, cfg=cfg, dcfg=dcfg), w), donate_argnums=(1, 3),
+                         name=f"admit_w{w}") for w in windows}
     if method == "ar":
-        rounds = {f: Compiled(functools.partial(ar_round, cfg=cfg, needs_filter=f), donate_argnums=(1,),
-                              name="ar_round") for f in (False, True)}
+        fns = {f: (functools.partial(ar_round, cfg=cfg, needs_filter=f), (1,), "ar_round") for f in (False, True)}
     else:
-        rounds = {f: Compiled(functools.partial(spec_round, cfg=cfg, dcfg=dcfg, k=k, vocab=cfg.vocab_size,
-                                                needs_filter=f, kind=kind), donate_argnums=(1, 3), name="sd_round")
-                  for f in (False, True)}
+        fns = {f: (functools.partial(spec_round, cfg=cfg, dcfg=dcfg, k=k, vocab=cfg.vocab_size, needs_filter=f,
+                                     kind=kind), (1, 3), "sd_round") for f in (False, True)}
+    rounds = {(f, w): Compiled(windowed(fn, w), donate_argnums=donate, name=f"{name}_w{w}")
+              for f, (fn, donate, name) in fns.items() for w in windows}
     return admit, rounds
