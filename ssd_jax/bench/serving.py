@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -246,7 +247,7 @@ def _env(a) -> dict:
     except OSError:
         commit = None
     return {"kind": "env", "target": a.target, "methods": a.methods, "rates": a.rates, "requests": a.requests,
-            "repeats": a.repeats, "max_tokens": a.max_tokens, "max_batch": a.max_batch,
+            "repeats": a.repeats, "max_tokens": a.max_tokens, "max_batch": a.max_batch, "server_args": a.server_args,
             "categories": a.categories, "jax": jax.__version__, "backend": jax.default_backend(),
             "cores": os.cpu_count(), "commit": commit, "loadavg": os.getloadavg()[0]}
 
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="+", default=["code", "chat", "math", "copy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=4, help="requests per server before measuring")
+    p.add_argument("--server-args", default="", help="more flags for every server, one string (e.g. "
+                   "'--context-buckets 2 --prefill-chunk 32')")
     p.add_argument("--out", required=True, help="results prefix: writes <out>.jsonl and <out>.md")
     p.add_argument("--report-only", action="store_true")
     return p
@@ -292,7 +295,7 @@ def run(argv=None) -> int:
     env = _env(a)
     append_row(jsonl, env)
     extra = ["--max-batch", str(a.max_batch), "--max-model-len", str(a.max_model_len),
-             "--max-waiting", str(4 * a.requests)]
+             "--max-waiting", str(4 * a.requests), *shlex.split(a.server_args)]
     servers = {}
     try:
         for m in methods:
