@@ -89,6 +89,10 @@ def servers(pair):
         assert rc == 0 and "Traceback" not in err, f"{name}: {err[-2000:]}"
     if "sd" in errs:
         assert "(auto: alpha" in errs["sd"][1]  # the start-up line reports the K it chose
+        import re
+
+        expected = float(re.search(r"expected ([0-9.]+)x AR", errs["sd"][1]).group(1))
+        assert ("--method ar may serve faster" in errs["sd"][1]) == (expected < 1.0)  # warned iff SD should lose
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for _, err in errs.values():

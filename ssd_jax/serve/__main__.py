@@ -71,8 +71,12 @@ def run(argv=None) -> int:
         resolved, info, _ = resolve_k(model, dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
                                       SamplingParams(), args.max_batch, load_model)
         spec = dataclasses.replace(spec, k=int(resolved.k))
-        k_note = (f" (auto: alpha {info['alpha']:.2f}, expected {info['expected_speedup_by_k'][str(spec.k)]:.2f}x AR, "
-                  f"{info['source']})")
+        expected = info["expected_speedup_by_k"][str(spec.k)]
+        k_note = f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
+        if expected < 1.0:
+            print(f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
+                  f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
+                  "(experiments/serving.md)", file=sys.stderr, flush=True)
     k = 0 if spec.method == "ar" else int(spec.k)
     metrics = Metrics(k)
     engine = Engine(model, spec, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
