@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -118,9 +119,9 @@ class Engine:
         self.catch_up = False
         self.history: list[np.ndarray] = [np.zeros(0, np.int32)] * B
         self.tcache = cache_for(model, B, max_len)
-        self.dcache = cache_for(drafter_model, B, max_len) if drafter_model is not None else None
+        # SSD's draft cache also holds the speculation tree past the context (_ssd_setup)
+        self.dcache = cache_for(drafter_model, B, max_len) if drafter_model is not None and spec.method == "sd" else None
         self.compile_s = 0.0
-        self.cache_hits = self.cache_lookups = 0
         if spec.method == "ssd":
             self._ssd_setup()
 
@@ -263,8 +264,6 @@ class Engine:
 
     def _die(self, e: Exception) -> None:
         """Every sequence in a slot or waiting ends with ``error``; later submissions get :class:`EngineDead`."""
-        import sys
-
         msg = " ".join(f"{type(e).__name__}: {e}".split())[:500]
         print(f"[serve] engine failed: {msg}", file=sys.stderr, flush=True)
         with self._cv:
@@ -417,11 +416,11 @@ class Engine:
     def _ssd_round(self, live, needs_filter: bool, window: int) -> None:
         greedy = bool((self.temp[live] == 0).all())
         K = self.k
-        out, self.sp, self.tcache, self.dcache, cur = self._rounds[greedy, needs_filter and not greedy, window](
+        out, self.sp, self.tcache, self.dcache = self._rounds[greedy, needs_filter and not greedy, window](
             *self._ssd_round_args(greedy))
-        out = np.asarray(out)
+        out = np.asarray(out)  # the round's one read
         emitted, n_acc, hit = out[:, : K + 1], out[:, K + 1], out[:, K + 2] > 0
-        self.cur[:] = np.asarray(cur)
+        self.cur[:] = emitted[np.arange(self.B), n_acc]  # the last token emitted: the next round's cur
         self.steps += 1
         if self.metrics is not None:
             self.metrics.spec_round(n_acc[live], np.full(int(live.sum()), K))
@@ -432,7 +431,5 @@ class Engine:
             self._push(b, emitted[b, : n_acc[b] + 1])
         # the lookup that made the next speculation, over the rows that go on
         going = live & self.active
-        self.cache_lookups += int(going.sum())
-        self.cache_hits += int((hit & going).sum())
         if self.metrics is not None:
             self.metrics.cache_lookup(int(going.sum()), int((hit & going).sum()))

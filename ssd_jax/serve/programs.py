@@ -7,6 +7,7 @@ per-row steps; each is one :class:`~ssd_jax.compile.Compiled` with the caches do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -112,15 +113,16 @@ def ssd_round(tparams, tcache, dparams, dcache, cur_B, sp: Proposal, key_Bx2, st
     sampling, cache build and lookup with the neural backup, in one call) with row keys and steps.
 
     Returns (host array (B, K+2+4): tokens, n_accepted, hit, post-miss, n_draft, live; the next
-    speculation, tcache, dcache, the next ``cur``)."""
+    speculation, tcache, dcache). The next ``cur`` of a row is its last emitted token, read from the
+    host array."""
     keys = jax.random.wrap_key_data(key_Bx2)
     kverify, kdraft = fold_in(keys, 2), fold_in(keys, 1)
     B = cur_B.shape[0]
-    out, sp, _, tcache, dcache, cur, _ = fused_round(
+    out, sp, _, tcache, dcache, _, _ = fused_round(
         tparams, tcache, dparams, dcache, cur_B, sp, jnp.zeros((B,), bool), jnp.zeros((B,), jnp.int32), steps_B,
         kverify, kdraft, rs, ctrl, cfg=cfg, dcfg=dcfg, opts=opts, ctl=ctl, backup="neural", max_new=2 ** 30,
         needs_filter=needs_filter)
-    return out, sp, _park(tcache, active_B), _park(dcache, active_B), cur
+    return out, sp, _park(tcache, active_B), _park(dcache, active_B)
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,8 +130,6 @@ def ssd_programs(cfg, dcfg, opts, ctl, windows: tuple[int, ...]):
     """(first, {(greedy, needs_filter, window): round}) for SSD: greedy rounds carry no draft
     distributions; the window applies to the target cache only (the draft's tree region lies past
     the context)."""
-    import dataclasses
-
     first, rounds = {}, {}
     for greedy in (True, False):
         o = dataclasses.replace(opts, greedy=greedy, needs_filter=not greedy)
