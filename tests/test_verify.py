@@ -34,6 +34,7 @@ from ssd_jax.sampling.rejection import (
     residual_distribution,
     row_keys,
     verify,
+    verify_greedy,
 )
 
 verify_jit = jax.jit(verify, static_argnums=(5,))
@@ -122,6 +123,28 @@ def test_no_proposals_is_an_ar_step():
     chex.assert_shape(res.accepted_BxK, (B, 0))
     np.testing.assert_array_equal(res.n_accepted, 0)
     assert int(res.next_token[0]) == int(jnp.argmax(logits[0, 0]))
+
+
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_greedy_verify_equals_verify_on_greedy_rows(K):
+    """The all-greedy program's verify gives exactly what :func:`verify` gives greedy rows: accept counts,
+    next tokens and the accepted mask, for every n_draft and with proposals that match the argmax
+    for a while (so every accept count occurs) or carry padding past n_draft."""
+    B, V = 64, 11
+    rng = np.random.default_rng(K)
+    logits = jnp.asarray(rng.normal(size=(B, K + 1, V)), jnp.float32)
+    amax = np.asarray(jnp.argmax(logits, axis=-1))
+    s = np.where(rng.random((B, K)) < 0.7, amax[:, :K], rng.integers(0, V, (B, K)))  # mostly the argmax
+    n_draft = rng.integers(0, K + 1, B)
+    s = np.where(np.arange(K)[None] < n_draft[:, None], s, -1)  # padding past n_draft
+    q = jnp.asarray(np.log(rng.dirichlet(np.ones(V), (B, K))), jnp.float32)
+    full = verify_jit(jax.random.key(0), logits, jnp.asarray(s, jnp.int32), jnp.asarray(n_draft), _rs([0.0] * B), False,
+                      q)
+    g = jax.jit(verify_greedy)(logits, jnp.asarray(s, jnp.int32), jnp.asarray(n_draft))
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(g)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if K:
+        assert len(set(np.asarray(g.n_accepted).tolist())) > 1
 
 
 def test_point_mass_with_p_one_is_always_accepted_and_zero_never():

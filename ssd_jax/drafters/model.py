@@ -64,10 +64,14 @@ def draft_loop(params, cache, prev_B, cur_B, keys, draw, *, cfg, vocab, catch_up
 
 
 
-def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up):
+def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up,
+                  greedy=False):
     """SD's K draft tokens after ``cur``, sampled from the draft's filtered distribution (see :func:`draft_loop`).
-    ``key``: one key, or a (B,) batch of row keys."""
+    ``key``: one key, or a (B,) batch of row keys. ``greedy`` (static; every row at temperature 0):
+    the argmax, with no distribution (q is None) and no random draws."""
     def draw(key, lg, d):
+        if greedy:
+            return jnp.argmax(lg, axis=-1).astype(jnp.int32), None
         return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
 
     return draft_loop(params, cache, prev_B, cur_B, split(key, k), draw, cfg=cfg, vocab=vocab, catch_up=catch_up)

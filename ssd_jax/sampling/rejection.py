@@ -59,6 +59,7 @@ __all__ = [
     "residual_distribution",
     "row_keys",
     "verify",
+    "verify_greedy",
 ]
 
 
@@ -189,6 +190,27 @@ def _uniforms(key: jax.Array, batch: int, n: int) -> jax.Array:
 # --------------------------------------------------------------------------- verify
 
 
+def _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK):
+    """(raw argmax per position (B, K+1), accepted (B, K)): s_j is accepted while it equals the argmax."""
+    K = s_BxK.shape[1]
+    argmax_BxKp1 = jnp.argmax(target_logits_BxKp1xV, axis=-1).astype(jnp.int32)
+    ok = valid_BxK & (s_BxK == argmax_BxKp1[:, :K])
+    return argmax_BxKp1, jnp.cumprod(ok.astype(jnp.int32), axis=1).astype(bool)
+
+
+def verify_greedy(target_logits_BxKp1xV: jax.Array, draft_tokens_BxK: jax.Array, n_draft_B: jax.Array) -> VerifyResult:
+    """:func:`verify` for a batch whose rows are ALL greedy: the same result as its greedy rows, without
+    the sampled rows' work (no uniforms, no log-softmax over the vocabulary, no draft distribution)."""
+    B, Kp1, V = target_logits_BxKp1xV.shape
+    K = Kp1 - 1
+    n_draft = jnp.clip(n_draft_B.astype(jnp.int32), 0, K)
+    valid_BxK = jnp.arange(K, dtype=jnp.int32)[None, :] < n_draft[:, None]
+    s_BxK = jnp.where(valid_BxK, jnp.clip(draft_tokens_BxK.astype(jnp.int32), 0, V - 1), 0)
+    argmax_BxKp1, acc_BxK = _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK)
+    n_acc = jnp.sum(acc_BxK, axis=1, dtype=jnp.int32)
+    return VerifyResult(n_accepted=n_acc, next_token=_take_last(argmax_BxKp1, n_acc), accepted_BxK=acc_BxK)
+
+
 def verify(
     key: jax.Array,
     target_logits_BxKp1xV: jax.Array,
@@ -234,9 +256,7 @@ def verify(
     sampled_B = rs.temperature > 0
 
     # ---- greedy rows: match the raw argmax
-    argmax_BxKp1 = jnp.argmax(target_logits_BxKp1xV, axis=-1).astype(jnp.int32)
-    g_ok = valid_BxK & (s_BxK == argmax_BxKp1[:, :K])
-    g_acc_BxK = jnp.cumprod(g_ok.astype(jnp.int32), axis=1).astype(bool)
+    argmax_BxKp1, g_acc_BxK = _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK)
 
     # ---- sampled rows: rejection sampling
     logp_BxKp1xV = filter_logprobs(target_logits_BxKp1xV, rs, needs_filter)
