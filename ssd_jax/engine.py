@@ -66,8 +66,8 @@ def generate(
     # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
     # time counts as compile time
     spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
-    if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K
-        spec = dataclasses.replace(spec, k=agree(spec.k))
+    if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K, fixed
+        spec = dataclasses.replace(spec, k=agree(spec.k), k_plan=None)
     spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
@@ -79,6 +79,8 @@ def generate(
         res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
     else:
         return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+    if k_auto is not None:  # did the loop re-choose K every round (one-device SD), or keep it fixed
+        k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
     res.metrics["compile_s"] += calib_s
     if spec.draft_vocab is not None:

@@ -134,6 +134,23 @@ def test_emissions_follow_the_target_large(agree_pair, case):
     assert not rep.rejected, str(rep)
 
 
+def test_adaptive_k_emissions_follow_the_target(agree_pair):
+    """K re-chosen after every round from the run's own acceptance (``k_plan``, what ``k="auto"``
+    sets for SD) keeps every emitted token exact; the costs (a draft step 0.3 of a target step) make K
+    start at 8 and fall at this pair's acceptance."""
+    from ssd_jax.analysis.kchoice import KPlan
+
+    target, draft = agree_pair
+    costs = {"t_ar": 1.0, "t_verify": {"1": 1.0, "8": 1.0}, "t_draft_step": 0.3, "c_round": 0.0}
+    sp = dataclasses.replace(T1, n=N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=99)
+    spec = SpecConfig(method="sd", draft=draft, k=8, k_plan=KPlan.from_costs(1.0, costs, 8))
+    res = generate(target, STAT_PROMPTS, sp, spec)
+    rep = goodness_of_fit(collect(target, STAT_PROMPTS, res.outputs, 8, sp), seed=99)
+    assert not rep.rejected, str(rep)
+    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    assert len(res.metrics["k_rounds"]) >= 2, (res.metrics["k_rounds"], res.metrics["alpha_online"])  # K changed
+
+
 # --------------------------------------------------------------------------- negative controls
 
 

@@ -3,11 +3,12 @@ with the chosen K, the ``k`` / ``k_auto`` metrics and the CLI flag (tiny random 
 
 import json
 
+import numpy as np
 import pytest
 from test_sd import PROMPTS, _ids
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax.analysis.kchoice import K_MAX, best_k, expected_speedups, interpolate_verify
+from ssd_jax.analysis.kchoice import K_MAX, KPlan, OnlineK, best_k, expected_speedups, interpolate_verify
 from ssd_jax.errors import UserError
 
 SP = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -88,7 +89,10 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
     c = generate(target, PROMPTS, sp, spec)
     assert c.metrics["k"] == 4 == best_k(expected_speedups(0.9, 1.0, interpolate_verify(
         {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0}), t_draft_step=0.05))
-    assert c.metrics["acceptance_histogram"] and len(c.metrics["acceptance_histogram"]) == 4 + 1
+    assert c.metrics["k_adaptive"] and c.metrics["k_auto"]["adaptive"]  # SD then re-chooses K every round
+    assert set(c.metrics["k_rounds"]) <= {"1", "2", "4", "8"} and sum(c.metrics["k_rounds"].values()) == c.metrics[
+        "verify_steps"]
+    assert len(c.metrics["acceptance_histogram"]) == 8 + 1  # up to the largest candidate K
     # a forced re-calibration measures again
     monkeypatch.setenv("SSD_JAX_KAUTO_RECALIBRATE", "1")
     assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"
@@ -122,3 +126,62 @@ def test_random_drafter_alpha_is_exact_and_a_draft_equal_to_the_target_accepts_e
     assert rec["costs"]["t_draft_step"] == 0.0 and all(v > 0 for v in rec["costs"]["t_verify"].values())
     rec = calibrate(target, SpecConfig(method="sd", draft=target), target, len(PROMPTS), 128)
     assert rec["alpha"] == 1.0 and rec["costs"]["t_draft_step"] > 0
+
+
+# verify as cheap as a decode step, a draft step 0.05 of one: K = 8 pays at α = 1, K = 4 at 0.6, K = 1 at 0.1
+COSTS = {"t_ar": 1.0, "t_verify": {"1": 1.0, "8": 1.0}, "t_draft_step": 0.05, "c_round": 0.0}
+
+
+def test_online_k_follows_the_runs_acceptance():
+    plan = KPlan.from_costs(1.0, COSTS, k0=8)
+    assert plan.ks == (1, 2, 4, 8) and KPlan.from_costs(1.0, COSTS, k0=3).ks == (1, 2, 3, 4, 8)
+    assert plan.choose(1.0) == 8 and plan.choose(0.6) == 4 and plan.choose(0.1) == 1
+    on = OnlineK(plan, 8)
+    live = np.array([True, True, False])
+    # row 0 accepts 2 of 8 (a rejection), row 1 all 8 (no rejection: censored), row 2 has stopped (ignored)
+    on.update(8, live, np.array([2, 8, 0]), np.array([8, 8, 8]))
+    assert (on.accepted, on.rejections) == (10, 1)
+    assert on.alpha == pytest.approx((10 + 8 * 1.0) / (10 + 1 + 8)) and on.k == plan.choose(on.alpha) == 8
+    on.update(8, live, np.array([0, 3, 5]), np.array([0, 8, 8]))  # row 0 proposed nothing: no evidence
+    assert (on.accepted, on.rejections) == (13, 2)
+    for _ in range(40):  # nothing accepted any more: K falls to 1
+        on.update(on.k, live, np.zeros(3, int), np.full(3, on.k))
+    assert on.k == 1 and on.alpha < 0.25
+    m = on.metrics()
+    assert m["k_adaptive"] and m["k_candidates"] == [1, 2, 4, 8] and sum(m["k_rounds"].values()) == 42
+    assert m["k_rounds"]["8"] >= 2 and "1" in m["k_rounds"]
+    assert m["k_mean"] == pytest.approx(sum(int(k) * c for k, c in m["k_rounds"].items()) / 42)
+    # the caches hold the largest K the run may switch to, not the first round's
+    assert SpecConfig(method="sd", draft="ngram", k=1, k_plan=plan).extra_cache_slots == 8 + 1
+    with pytest.raises(UserError, match="k_plan"):
+        SpecConfig(method="sd", draft="ngram", k_plan={"alpha": 1.0}).validate()
+
+
+@pytest.mark.parametrize("drafter", ["unrelated", "ngram", "target"])
+def test_adaptive_k_greedy_equals_ar(pair, ar_ref, drafter):
+    """K re-chosen every round: greedy output still equals AR. An unrelated draft starts at K = 8 and
+    falls; the target as its own draft (everything accepted, a catch-up every round) starts at K = 1
+    and rises."""
+    target, draft = pair
+    d = {"unrelated": draft, "ngram": "ngram", "target": target}[drafter]
+    prior = 0.0 if drafter == "target" else 1.0
+    spec = SpecConfig(method="sd", draft=d, k=KPlan.from_costs(prior, COSTS, 8).choose(prior),
+                      k_plan=KPlan.from_costs(prior, COSTS, 8))
+    res = generate(target, PROMPTS, SP, spec)
+    m = res.metrics
+    assert _ids(res) == ar_ref
+    assert m["k_adaptive"] and sum(m["k_rounds"].values()) == m["verify_steps"]
+    if drafter == "unrelated":
+        assert m["k_rounds"].get("8", 0) >= 1 and min(map(int, m["k_rounds"])) < 8, m["k_rounds"]
+    if drafter == "target":
+        assert m["k"] == 1 and m["k_rounds"].get("1", 0) >= 1 and max(map(int, m["k_rounds"])) >= 4, m["k_rounds"]
+        assert m["acceptance_rate"] > 0.9
+
+
+def test_adaptive_k_seeded_runs_repeat(pair):
+    """K depends only on earlier rounds' outcomes, so the same seed gives the same tokens and the same Ks."""
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, seed=11)
+    spec = SpecConfig(method="sd", draft=draft, k=8, k_plan=KPlan.from_costs(1.0, COSTS, 8))
+    a, b = generate(target, PROMPTS, sp, spec), generate(target, PROMPTS, sp, spec)
+    assert _ids(a) == _ids(b) and a.metrics["k_rounds"] == b.metrics["k_rounds"]

@@ -141,7 +141,7 @@ class EngineRunner:
                 "decode_tok_s": m["decode_tokens_per_s"], "e2e_tok_s": m["tokens_per_s"],
                 "compile_s": m.get("compile_s"), "acceptance_rate": m.get("acceptance_rate"),
                 "tokens_per_round": m.get("mean_acceptance_length"), "rounds": m.get("verify_steps"),
-                "k": m.get("k"), "cache_hit_rate": m.get("cache_hit_rate"), "tau_hit": m.get("tau_hit"),
+                "k": m.get("k_mean") or m.get("k"), "cache_hit_rate": m.get("cache_hit_rate"), "tau_hit": m.get("tau_hit"),
                 "tau_miss": m.get("tau_miss"), "round_s": m.get("round_s"),
                 "token_ids": [o["token_ids"] for o in res.outputs]}
 

@@ -187,8 +187,9 @@ def _run(args) -> int:
         file=sys.stderr,
     )
     if "acceptance_rate" in m:
+        k_mean = f", mean {m['k_mean']:.1f}" if m.get("k_mean") else ""  # K adaptive: the K per round varied
         print(
-            f"[{res.method}] draft {m['draft']} k={m['k']}{' (auto)' if m.get('k_auto') else ''}: acceptance {m['acceptance_rate']:.2f}, "
+            f"[{res.method}] draft {m['draft']} k={m['k']}{' (auto)' if m.get('k_auto') else ''}{k_mean}: acceptance {m['acceptance_rate']:.2f}, "
             f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
             + (f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
                f"overhead {m['overhead_s']:.2f}s" if m.get("draft_s") is not None else "stage times: --profile-stages"),

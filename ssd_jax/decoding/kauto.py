@@ -1,7 +1,8 @@
 """``--k auto``: choose K from a short measurement on this machine, cached on disk.
 
 :func:`resolve_k` turns ``SpecConfig(k="auto")`` into an integer K before the method's loop
-runs. The choice maximises the expected speedup (:mod:`ssd_jax.analysis.kchoice`)::
+runs (for SD it also hands the loop a :class:`~ssd_jax.analysis.kchoice.KPlan`, with which the
+loop chooses K again after every round from the run's own acceptance). The choice maximises the expected speedup (:mod:`ssd_jax.analysis.kchoice`)::
 
     S(K) = E(α, K) · t_ar / (c_round + K · t_draft_step + t_verify(K + 1)),   K in 1..8
 
@@ -47,7 +48,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ssd_jax.analysis.kchoice import K_MAX, best_k, expected_speedups, interpolate_verify
+from ssd_jax.analysis.kchoice import K_MAX, KPlan, best_k, expected_speedups, interpolate_verify
 from ssd_jax.decoding.sd import sd_steps
 from ssd_jax.drafters.base import check_same_tokenizer
 from ssd_jax.drafters.ngram import ngram_lookup, ngram_proposals
@@ -121,10 +122,12 @@ def resolve_k(model, spec, sampling, batch: int, load):
     sp = expected_speedups(rec["alpha"], c["t_ar"], interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
                            c["t_draft_step"], c["c_round"])
     k = best_k(sp)
+    # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
+    plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
     info = {"alpha": rec["alpha"], "alpha_source": rec["alpha_source"], "costs": c,
             "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()}, "source": source,
             "cache_file": str(path), "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0}
-    return dataclasses.replace(spec, k=k), info, info["calibration_s"]
+    return dataclasses.replace(spec, k=k, k_plan=plan), info, info["calibration_s"]
 
 
 def _read(path: Path):

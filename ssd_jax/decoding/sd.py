@@ -26,6 +26,7 @@ back (:func:`_generate_two_meshes`); same keys as :func:`sd_round`, so the same 
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.analysis.kchoice import OnlineK
 from ssd_jax.decoding import runtime
 from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
 from ssd_jax.decoding.stats import AcceptanceStats
@@ -44,7 +46,7 @@ from ssd_jax.models import llama
 from ssd_jax.parallel.placement import cache_for as _cache_for
 from ssd_jax.parallel.placement import put_on as _put
 from ssd_jax.sampling.filters import RowSampling, fold_in
-from ssd_jax.sampling.rejection import emitted_tokens, verify
+from ssd_jax.sampling.rejection import emitted_tokens, verify, verify_greedy
 
 
 def host_width(n_draft_h: np.ndarray, live: np.ndarray, k: int) -> int:
@@ -61,9 +63,13 @@ def target_score(params, cache, cur_B, draft_BxK, *, cfg):
     return llama.logits(params, cfg, h), cache
 
 
-def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter):
-    """Rejection sampling + the per-row state update; returns what the host and next round need."""
-    res = verify(fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
+def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter, greedy=False):
+    """Rejection sampling + the per-row state update; returns what the host and next round need.
+    ``greedy`` (static): every row is greedy, so only the argmax matching runs (the same outcome)."""
+    if greedy:
+        res = verify_greedy(logits, draft_BxK, n_draft_B)
+    else:
+        res = verify(fold_in(key, step), logits, draft_BxK, n_draft_B, rs, needs_filter, q)
     n = res.n_accepted
     if draft_BxK.shape[1] == 0:  # a round with nothing proposed: one plain target step
         prev = cur_B
@@ -95,13 +101,15 @@ def push_round(rows, live, emitted_h, n_acc_h, on_text, history=None) -> None:
 
 
 def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, key, rs, host_tokens_BxK, host_n_B, *,
-             cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind):
+             cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False):
     """One whole SD round in one compiled call: draft K tokens, verify, rejection-sample, advance.
 
     ``kind``: "model" (the draft model; its catch-up variant chosen on device by ``lax.cond``),
     "random" (uniform proposals) or "host" (proposals computed on the host, e.g. n-gram lookup,
     passed in ``host_tokens_BxK`` / ``host_n_B``). ``step`` (a device scalar) and ``catch_up``
     come from the previous round's outputs, so rounds can be queued without the host.
+    ``greedy`` (static): every row is at temperature 0, so the draft takes its argmax (no q) and the
+    verify only matches argmaxes: the same tokens without the sampling work over the vocabulary.
     Randomness is that of the profiled path (same seed, same tokens). ``key`` and ``step`` may also be
     a (B,) batch of row keys and per-row steps (the server: each request draws from its own stream;
     not with ``kind="random"``).
@@ -117,7 +125,8 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
     if kind == "model":
         def variant(c):
             def run(args):
-                return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c)
+                return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c,
+                                     greedy=greedy)
             return run
 
         tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs))
@@ -127,7 +136,7 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
         tokens, n_draft = host_tokens_BxK, host_n_B
     logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
     emitted, n, new_len, _, prev, cur = accept_step(kverify, step, logits, tokens, n_draft, q, rs, tcache.lengths, cur_B,
-                                                    needs_filter=needs_filter)
+                                                    needs_filter=needs_filter, greedy=greedy)
     tcache = tcache.with_lengths(new_len)
     if dcache is not None:
         dcache = dcache.with_lengths(new_len + 0)  # its own buffer: both caches are donated
@@ -136,9 +145,9 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
 
 
 @functools.lru_cache(maxsize=64)
-def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind):
+def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False):
     fn = functools.partial(sd_round, cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab,
-                           needs_filter=needs_filter, kind=kind)
+                           needs_filter=needs_filter, kind=kind, greedy=greedy)
     return runtime.Compiled(fn, donate_argnums=(1, 3), name="sd_round")
 
 
@@ -300,22 +309,24 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     dparams = drafter.model.params if kind == "model" else None
     dcfg = drafter.model.cfg if kind == "model" else None
     rand_vocab = getattr(drafter, "vocab", model.cfg.vocab_size)
-    prog = sd_round_program(model.cfg, dcfg, K, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind)
-    zB, zK = put(np.zeros((B,), np.int32)), put(np.zeros((B, K), np.int32))
-    step1 = put(np.int32(1))
-    false = put(np.bool_(False))
-    compile_s += prog.precompile(model.params, cache, dparams, drafter.cache if kind == "model" else None, zB, zB, false,
-                                 step1, key, rs, zK, zB)
-    progs = {K: prog}
-    if kind == "host" and K > 0:  # rounds where no row has a proposal run the 0-column program
-        progs[0] = sd_round_program(model.cfg, dcfg, 0, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind)
-        compile_s += progs[0].precompile(model.params, cache, None, None, zB, zB, false, step1, key, rs,
-                                         put(np.zeros((B, 0), np.int32)), zB)
+    greedy = sampling.temperature == 0  # the whole batch: the argmax-only round (same tokens, less work)
+    # K adaptive (spec.k_plan, from k="auto"): one program per candidate K, all compiled now
+    plan = spec.k_plan if kind != "random" else None
+    sched = OnlineK(plan, K) if plan is not None else None
+    widths = sorted({K, *(plan.ks if plan is not None else ())} | ({0} if kind == "host" else set()))
+    zB, step1, false = put(np.zeros((B,), np.int32)), put(np.int32(1)), put(np.bool_(False))
+    zK = {w: put(np.zeros((B, w), np.int32)) for w in widths}
+    progs = {}
+    for w in widths:  # host drafts: rounds where no row has a proposal run the 0-column program
+        progs[w] = sd_round_program(model.cfg, dcfg, w, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind,
+                                    greedy)
+        compile_s += progs[w].precompile(model.params, cache, dparams, drafter.cache if kind == "model" else None, zB,
+                                         zB, false, step1, key, rs, zK[w], zB)
 
     empty = [0]
 
-    def host_round(tc, dc, cur_, prev_, catch_, step_, toks, n_h):
-        w = host_width(n_h, live, K)
+    def host_round(tc, dc, cur_, prev_, catch_, step_, toks, n_h, k):
+        w = host_width(n_h, live, k)
         empty[0] += w == 0
         return progs[w](model.params, tc, dparams, dc, cur_, prev_, catch_, step_, key, rs, put(toks[:, :w]), put(n_h))
 
@@ -329,39 +340,50 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     batch.push_first(first, on_text)
     history = batch.histories(first) if kind == "host" else None
 
-    def host_proposals():
-        return ngram_proposals(history, K, drafter.n_min, drafter.n_max, rows=np.flatnonzero(live))
+    def host_proposals(k):
+        return ngram_proposals(history, k, drafter.n_min, drafter.n_max, rows=np.flatnonzero(live))
 
-    stats = AcceptanceStats(B, K)
+    def next_k():
+        return sched.k if sched is not None else K
+
+    stats = AcceptanceStats(B, max(widths))
     live = np.array([not r.done for r in rows])
     max_rounds = sampling.max_new_tokens  # every live row emits at least one token per round
     state = (cache, dcache, cur, prev, false, step1)
-    n_draft_h = np.full(B, K, np.int32)
+    ks = collections.deque([next_k()])  # the K of each round dispatched and not read yet
     if kind == "host":
-        toks, n_draft_h = host_proposals()
-        out = host_round(*state, toks, n_draft_h)
+        toks, n_draft_h = host_proposals(ks[0])
+        out = host_round(*state, toks, n_draft_h, ks[0])
     else:
-        out = prog(model.params, state[0], dparams, state[1], *state[2:], key, rs, zK, zB)
+        out = progs[ks[0]](model.params, state[0], dparams, state[1], *state[2:], key, rs, zK[ks[0]], zB)
     dispatched = 1
     step = 0
     nxt = None
     while live.any():
         step += 1
         emitted_d, _, tcache, dcache_o, cur_o, prev_o, catch_o, step_o = out
-        if kind != "host" and dispatched < max_rounds:  # queue round T+1 before reading round T
-            nxt = prog(model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK, zB)
+        if kind != "host" and dispatched < max_rounds:  # queue round T+1 before reading round T (its K
+            k1 = next_k()                              # then comes from rounds up to T-1)
+            nxt = progs[k1](model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK[k1], zB)
+            ks.append(k1)
             dispatched += 1
         else:
             nxt = None
         host = np.asarray(emitted_d)  # the round's one read: tokens and accepted counts
         emitted_h, n_acc_h = host[:, :-1], host[:, -1]
+        k_read = ks.popleft()
+        if kind != "host":
+            n_draft_h = np.full(B, k_read, np.int32)
         stats.update(live, n_acc_h, n_draft_h)
+        if sched is not None:
+            sched.update(k_read, live, n_acc_h, n_draft_h)
         push_round(rows, live, emitted_h, n_acc_h, on_text, history)
         if not live.any():
             break
         if kind == "host":
-            toks, n_draft_h = host_proposals()
-            nxt = host_round(tcache, dcache_o, cur_o, prev_o, catch_o, step_o, toks, n_draft_h)
+            ks.append(next_k())
+            toks, n_draft_h = host_proposals(ks[-1])
+            nxt = host_round(tcache, dcache_o, cur_o, prev_o, catch_o, step_o, toks, n_draft_h, ks[-1])
         if nxt is None:
             break
         out = nxt
@@ -371,9 +393,8 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
 
     # one call per round: stage times need profile_stages=True (--profile-stages)
     stages = {"draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None, "round_s": wall - ttft,
-              "calls_per_round": 1, "rounds_without_proposals": empty[0]}
+              "calls_per_round": 1, "rounds_without_proposals": empty[0], **(sched.metrics() if sched else {})}
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
-
 
 
 def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) -> GenerationResult:

@@ -42,6 +42,11 @@ class SpecConfig:
         before the previous round's tokens are read, and the stage times are reported as null.
       draft_vocab: keep only the N most frequent target tokens in the draft model's output head
         (``ssd_jax.drafters.vocab``; None = the full vocabulary). Exact: q is 0 outside the kept set.
+      k_plan: SD only: choose K again after every round from the run's own acceptance
+        (:class:`ssd_jax.analysis.kchoice.KPlan`: the calibration's α as a prior and its stage
+        costs; ``k`` is the first round's K). ``k="auto"`` sets it for SD on one device (the
+        default loop; the two-mesh and ``profile_stages`` loops keep K fixed); None = K fixed.
+        ``metrics`` then has ``k_mean``, ``k_rounds`` and ``alpha_online``.
     """
 
     method: str = "ar"
@@ -57,6 +62,7 @@ class SpecConfig:
     draft_devices: int | None = None
     profile_stages: bool = False
     draft_vocab: int | None = None
+    k_plan: Any = None
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an
@@ -69,6 +75,8 @@ class SpecConfig:
                 raise UserError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
             if self.k < 1:
                 raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k_plan is not None and not callable(getattr(self.k_plan, "choose", None)):
+            raise UserError(f"k_plan must be a KPlan (ssd_jax.analysis.kchoice), got {type(self.k_plan).__name__}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UserError(
                 f"need 1 <= prompt-lookup-min <= prompt-lookup-max, got {self.prompt_lookup_min} and "
@@ -131,4 +139,7 @@ class SpecConfig:
         """Cache slots needed beyond prompt + new tokens (speculative tokens in flight)."""
         if self.method == "ar":
             return 0
-        return (K_AUTO_MAX if self.k == "auto" else self.k) + 1
+        k = K_AUTO_MAX if self.k == "auto" else self.k
+        if self.k_plan is not None:  # K adaptive: room for the largest K the run may switch to
+            k = max(k, *self.k_plan.ks)
+        return k + 1
