@@ -190,6 +190,15 @@ def _uniforms(key: jax.Array, batch: int, n: int) -> jax.Array:
 # --------------------------------------------------------------------------- verify
 
 
+def _proposals(draft_tokens_BxK, n_draft_B, V):
+    """(n_draft clipped to 0..K, valid (B, K), proposals (B, K)) with the ignored entries (padding past
+    n_draft, which may hold anything) set to 0 so gathers stay in range."""
+    K = draft_tokens_BxK.shape[1]
+    n_draft = jnp.clip(n_draft_B.astype(jnp.int32), 0, K)
+    valid_BxK = jnp.arange(K, dtype=jnp.int32)[None, :] < n_draft[:, None]
+    return n_draft, valid_BxK, jnp.where(valid_BxK, jnp.clip(draft_tokens_BxK.astype(jnp.int32), 0, V - 1), 0)
+
+
 def _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK):
     """(raw argmax per position (B, K+1), accepted (B, K)): s_j is accepted while it equals the argmax."""
     K = s_BxK.shape[1]
@@ -201,11 +210,8 @@ def _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK):
 def verify_greedy(target_logits_BxKp1xV: jax.Array, draft_tokens_BxK: jax.Array, n_draft_B: jax.Array) -> VerifyResult:
     """:func:`verify` for a batch whose rows are ALL greedy: the same result as its greedy rows, without
     the sampled rows' work (no uniforms, no log-softmax over the vocabulary, no draft distribution)."""
-    B, Kp1, V = target_logits_BxKp1xV.shape
-    K = Kp1 - 1
-    n_draft = jnp.clip(n_draft_B.astype(jnp.int32), 0, K)
-    valid_BxK = jnp.arange(K, dtype=jnp.int32)[None, :] < n_draft[:, None]
-    s_BxK = jnp.where(valid_BxK, jnp.clip(draft_tokens_BxK.astype(jnp.int32), 0, V - 1), 0)
+    V = target_logits_BxKp1xV.shape[-1]
+    _, valid_BxK, s_BxK = _proposals(draft_tokens_BxK, n_draft_B, V)
     argmax_BxKp1, acc_BxK = _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK)
     n_acc = jnp.sum(acc_BxK, axis=1, dtype=jnp.int32)
     return VerifyResult(n_accepted=n_acc, next_token=_take_last(argmax_BxKp1, n_acc), accepted_BxK=acc_BxK)
@@ -248,11 +254,7 @@ def verify(
         raise ValueError(f"draft logprobs {draft_logprobs_BxKxV.shape} != {(B, K, V)}")
 
     u_BxKpV = _uniforms(key, B, K + V)
-    n_draft = jnp.clip(n_draft_B.astype(jnp.int32), 0, K)
-    pos_K = jnp.arange(K, dtype=jnp.int32)[None, :]
-    valid_BxK = pos_K < n_draft[:, None]
-    # Ignored proposals may hold anything (padding): keep gathers in range.
-    s_BxK = jnp.where(valid_BxK, jnp.clip(draft_tokens_BxK.astype(jnp.int32), 0, V - 1), 0)
+    n_draft, valid_BxK, s_BxK = _proposals(draft_tokens_BxK, n_draft_B, V)
     sampled_B = rs.temperature > 0
 
     # ---- greedy rows: match the raw argmax
