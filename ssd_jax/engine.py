@@ -59,6 +59,11 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
+    if spec.draft_dtype is not None:  # validate() refused it for ar / ngram / random; before trimming (cast once)
+        from ssd_jax.loading.loaded import with_weight_dtype
+
+        draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
+        spec = dataclasses.replace(spec, draft=with_weight_dtype(draft, spec.draft_dtype))
     if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
         from ssd_jax.drafters.vocab import trimmed_draft
 
@@ -83,6 +88,8 @@ def generate(
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
     res.metrics["compile_s"] += calib_s
+    if spec.draft_dtype is not None:
+        res.metrics["draft_dtype"] = spec.draft_dtype
     if spec.draft_vocab is not None:
         res.metrics["draft_vocab"] = spec.draft_vocab
     elif spec.method != "ar":

@@ -41,7 +41,8 @@ from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.drafters import model as model_drafter
 from ssd_jax.drafters.vocab import trim_draft
-from ssd_jax.models import llama
+from ssd_jax.loading.loaded import with_weight_dtype
+from ssd_jax.models import kernels, llama
 from ssd_jax.sampling import rejection as verify_mod
 from ssd_jax.sampling.filters import filter_logprobs
 
@@ -289,6 +290,20 @@ def test_trimmed_draft_negative_control_fails(agree_pair, trimmed_pair, monkeypa
         monkeypatch.undo()
         _clear_compiled()
     assert rep.rejected, f"the biased engine passed: {rep}"
+
+
+# --------------------------------------------------------------------------- bfloat16 draft
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+def test_bf16_draft_emissions_follow_the_target(agree_pair):
+    """A draft whose matrices are stored in bfloat16 (``--draft-dtype``): its q is its own (rounded)
+    distribution, and the emissions must still follow the float32 target."""
+    target, draft = agree_pair
+    bf = with_weight_dtype(draft, "bfloat16")
+    assert bf.params["layers"][0]["w_up"].dtype == jnp.bfloat16
+    rep, m, _ = passing_run((target, bf), ("sd", "model", 1.0, T1), seed=700)
+    assert 0.3 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
 
 
 # --------------------------------------------------------------------------- power

@@ -44,6 +44,39 @@ def test_kernel_equals_einsum(m, n, k):
     _close(jax.jit(kernels.rows_matmul)(x, w), x @ w.T)
 
 
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("n,k", [(40, 64), (130, 576), (7, 33)])
+def test_bf16_weight_kernel_equals_the_widened_einsum(m, n, k):
+    """bfloat16 weights, float32 rows: the kernel widens W exactly (bf16 -> f32 is lossless), so it
+    matches the float32 dot of the widened matrix to float32 rounding."""
+    x, w = _rand((m, k), m), _rand((n, k), n + k).astype(jnp.bfloat16)
+    assert kernels.usable(x, w)
+    y = jax.jit(kernels.rows_matmul)(x, w)
+    assert y.dtype == jnp.float32
+    _close(y, x @ w.astype(jnp.float32).T)
+
+
+def test_narrow_weights_go_to_the_kernel_at_every_order_and_widen_beyond_it():
+    """``forms.contract`` with bfloat16 weights under float32 rows (a ``--draft-dtype bfloat16`` draft):
+    the kernel at 1..MAX_ROWS rows whatever the form's order (XLA:CPU's mixed dot is 10-20x slower),
+    the widened einsum at more rows (prefill) and where the kernel cannot run."""
+    w = _rand((48, 64), 1).astype(jnp.bfloat16)
+    ref_w = w.astype(jnp.float32)
+    for rows in (1, 5, 16, 40):
+        x = _rand((rows, 64), rows)
+        for order in ("right", "kernel"):
+            f = jax.jit(lambda x, w, order=order: F.contract(x, w, "oi", order))
+            hlo = f.lower(x, w).as_text()
+            assert (kernels.TARGET_BF16 in hlo) == (rows <= kernels.MAX_ROWS), (rows, order)
+            _close(f(x, w), x @ ref_w.T)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
+    x = _rand((5, 64), 0)
+    f = jax.jit(lambda x, w: F.contract(x, w, "oi", "kernel"))
+    assert kernels.TARGET_BF16 not in f.lower(x, ws).as_text()
+    _close(f(x, ws), x @ ref_w.T)
+
+
 def test_kernel_under_scan_cond_vmap_grad_and_batch_dims():
     x, w = _rand((2, 3, 64), 0), _rand((48, 64), 1)
     ref = x @ w.T

@@ -149,28 +149,33 @@ class EngineRunner:
 def method_specs(names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
     K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. ``sd:K:vN`` /
-    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``).
+    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``); a further ``:bf16``
+    stores the draft's matrices in bfloat16 (``--draft-dtype bfloat16``), e.g. ``sd:auto:v32768:bf16``.
 
     ``sd:K@DRAFT`` / ``ssd:K@DRAFT`` use the draft ``DRAFT`` (a name or path, loaded once by
     ``load_draft``) instead of ``draft``, so one run can interleave drafts of several sizes; the
     method is named ``sd-kK@<last path component of DRAFT>``."""
     from ssd_jax.decoding.spec import SpecConfig
 
-    usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN; sd:K@DRAFT)"
+    usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN; sd:K:bf16; sd:K@DRAFT)"
     out, loaded, labels = {}, {}, {}
     for n in names:
         body, at, ref = n.partition("@")
         kind, *rest = body.split(":")
+        opts = rest[1:]
+        wdtype = "bfloat16" if "bf16" in opts else None
+        if wdtype:
+            opts.remove("bf16")
         try:
             k = rest[0] if rest and rest[0] == "auto" else int(rest[0]) if rest and rest[0] else 4
-            vocab = int(rest[1][1:]) if len(rest) > 1 and rest[1].startswith("v") else None
+            vocab = int(opts[0][1:]) if opts and opts[0].startswith("v") else None
         except ValueError:
             raise UserError(f"bad method {n!r} {usage}") from None
-        if len(rest) > 2 or (len(rest) == 2 and vocab is None) or (vocab is not None and kind not in ("sd", "ssd")):
+        if len(opts) > 1 or (opts and vocab is None) or ((vocab or wdtype) and kind not in ("sd", "ssd")):
             raise UserError(f"bad method {n!r} {usage}")
         if at and (kind not in ("sd", "ssd") or not ref):
             raise UserError(f"bad method {n!r}: only sd and ssd take @DRAFT {usage}")
-        suffix = f"-k{k}" + (f"-v{vocab}" if vocab else "")
+        suffix = f"-k{k}" + (f"-v{vocab}" if vocab else "") + ("-bf16" if wdtype else "")
         if kind == "ar":
             out["ar"] = SpecConfig()
         elif kind == "ngram":
@@ -186,7 +191,7 @@ def method_specs(names: Sequence[str], draft=None, load_draft: Callable[[str], A
                 d, suffix = loaded[ref], f"{suffix}@{label}"
             if d is None:
                 raise UserError(f"method {n} needs a draft model")
-            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=d, k=k, draft_vocab=vocab)
+            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=d, k=k, draft_vocab=vocab, draft_dtype=wdtype)
         else:
             raise UserError(f"unknown method {n!r} {usage}")
     if "ar" not in out:

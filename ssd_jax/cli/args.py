@@ -42,6 +42,9 @@ def add_spec_args(p) -> None:
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
                    "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
                    "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
+    g.add_argument("--draft-dtype", default=None, choices=("float32", "bfloat16"), help="store the draft model's "
+                   "weight matrices in this dtype while it computes in the target's (default: the target's dtype); "
+                   "exact either way. On CPU, bfloat16 under a float32 target halves what each draft step reads")
     g = p.add_argument_group("speculative speculative decoding (--method ssd)")
     g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
                    "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
@@ -79,6 +82,7 @@ def spec_from_args(args):
         draft_devices=args.draft_devices,
         profile_stages=getattr(args, "profile_stages", False),
         draft_vocab=args.draft_vocab,
+        draft_dtype=getattr(args, "draft_dtype", None),
     )
 
 

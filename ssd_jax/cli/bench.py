@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
     p.add_argument("--methods", nargs="+", default=["ar", "sd:4", "ngram:4", "ssd:4"],
                    help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
-                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
+                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; a further :bf16 stores the draft in bfloat16; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
                    "can be compared in one run); ar is required")
     p.add_argument("--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order")
     p.add_argument("--seed", type=int, default=0, help="protocol: seed of --order shuffle")

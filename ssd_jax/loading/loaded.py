@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import dataclasses
+import weakref
 
 import numpy as np
 
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.params import Params
+from ssd_jax.models.params import Params, cast_matrices
 
 
 @dataclasses.dataclass
@@ -40,3 +41,28 @@ class LoadedModel:
     weights_sha256: str
     source: str
     mesh: Any = None  # a jax.sharding.Mesh once placed on one (tensor parallel / SSD meshes); None = one device
+
+
+#: (id(model), dtype) -> (a weak reference to model, model with its matrices in dtype); an entry
+#: goes when its model does, so a draft reused across calls is cast once
+_NARROWED: dict[tuple[int, str], tuple[weakref.ref, LoadedModel]] = {}
+
+
+def with_weight_dtype(model: LoadedModel, dtype: str) -> LoadedModel:
+    """``model`` with its weight matrices stored in ``dtype`` while it still computes in
+    ``cfg.dtype`` (``ModelConfig.weight_dtype``; ``--draft-dtype``). Norms, biases and the KV
+    cache keep ``cfg.dtype``. Returns ``model`` itself when nothing changes; otherwise a copy,
+    cached while ``model`` lives."""
+    import jax.numpy as jnp
+
+    want = None if dtype == model.cfg.dtype else dtype
+    if model.cfg.weight_dtype == want:
+        return model
+    key = (id(model), dtype)
+    hit = _NARROWED.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    out = dataclasses.replace(model, cfg=model.cfg.replace(weight_dtype=want),
+                              params=cast_matrices(model.cfg, model.params, jnp.dtype(dtype)))
+    _NARROWED[key] = (weakref.ref(model, lambda _, k=key: _NARROWED.pop(k, None)), out)
+    return out

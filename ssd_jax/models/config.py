@@ -48,6 +48,9 @@ class ModelConfig:
       max_position_embeddings: the context window.
       bos_token_id / eos_token_ids: special tokens (eos may be several ids).
       dtype: activation / weight dtype name ("float32" on CPU, "bfloat16" on accelerators).
+      weight_dtype: the dtype the weight MATRICES are stored in when it differs from ``dtype``
+        (None = ``dtype``): a draft computing in float32 on CPU with bfloat16 matrices streams
+        half the bytes (``--draft-dtype``; the CPU kernel widens them in registers).
       forms: how each weight matrix is stored and contracted (``ssd_jax.models.forms``); the
         default is the checkpoint layout (out, in) with ``x @ W.T`` everywhere. Loaders set it
         per backend and transpose the stored tensors to match, once.
@@ -71,6 +74,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     forms: Forms = Forms()
+    weight_dtype: str | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -80,6 +84,11 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
+    @property
+    def matrix_dtype(self):
+        """The dtype of the stored weight matrices (``weight_dtype``, else ``dtype``)."""
+        return jnp.dtype(self.weight_dtype or self.dtype)
+
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
@@ -88,6 +97,8 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d.pop("forms")
+        if d.get("weight_dtype") is None:  # absent = dtype (keeps older files and readers valid)
+            d.pop("weight_dtype", None)
         if not self.forms.canonical:  # absent = checkpoint layout (keeps older files and readers valid)
             d["forms"] = self.forms.to_dict()
         return d

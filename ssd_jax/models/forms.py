@@ -103,12 +103,17 @@ def contract(
 ) -> jnp.ndarray:
     """``x @ W^T`` for ``x`` (..., I) and W stored per ``layout`` (2-D), in the given order."""
     ws = "oi" if layout == "oi" else "io"
-    if order == "kernel":
+    narrow = w.dtype != x.dtype  # weights stored narrower than the activations (ModelConfig.weight_dtype)
+    if order == "kernel" or narrow:
         from ssd_jax.models import kernels
 
-        if preferred_element_type in (None, jnp.float32) and kernels.usable(x, w):
+        # XLA:CPU's dot of float32 rows with bfloat16 weights is 10-20x slower than the float32
+        # one (experiments/results/draft_bf16_cpu.md): such weights go to the kernel at any order
+        if preferred_element_type in (None, jnp.float32) and layout == "oi" and kernels.usable(x, w):
             return kernels.rows_matmul(x, w)
-        order = "right"
+        order = "right" if order == "kernel" else order
+    if narrow:  # no kernel here (prefill rows, another backend, a sharded operand): widen, then the dot
+        w = w.astype(x.dtype)
     if order == "right":
         return jnp.einsum(f"...i,{ws}->...o", x, w, preferred_element_type=preferred_element_type)
     lead = x.shape[:-1]

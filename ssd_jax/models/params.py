@@ -53,6 +53,20 @@ def matrix_role(cfg: ModelConfig, name: str) -> tuple[str, int] | None:
     return MATRICES.get(base)
 
 
+def cast_matrices(cfg: ModelConfig, params: Params, dtype) -> Params:
+    """``params`` with every weight matrix (those :func:`matrix_role` names, and a trimmed draft
+    head ``"head"``) cast to ``dtype``; norms, biases and index arrays keep theirs (a new pytree:
+    ``params`` is left as it is)."""
+
+    def cast(name, leaf):
+        return leaf.astype(dtype) if name == "head" or matrix_role(cfg, name) is not None else leaf
+
+    out = {k: cast(k, v) for k, v in params.items() if k != "layers"}
+    if "layers" in params:
+        out["layers"] = [{k: cast(k, v) for k, v in layer.items()} for layer in params["layers"]]
+    return out
+
+
 def _perm(ndim: int, n_out: int, layout: str) -> tuple[int, ...]:
     """Axis order taking the (out..., in...) declaration to ``layout``."""
     return tuple(range(ndim)) if layout == "oi" else tuple(range(n_out, ndim)) + tuple(range(n_out))

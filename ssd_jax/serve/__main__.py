@@ -8,6 +8,7 @@ finish, what is left is cancelled, and the process exits 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 
@@ -56,8 +57,16 @@ def run(argv=None) -> int:
     if spec.method != "ar" and spec.draft not in ("ngram", "random"):
         from ssd_jax.drafters.base import check_same_tokenizer
 
-        draft = load_model(spec.draft, dtype=model.cfg.dtype)
+        from ssd_jax.drafters.vocab import load_with_head, trimmed_draft
+        from ssd_jax.loading.loaded import with_weight_dtype
+
+        load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
+        draft = load(spec.draft)
         check_same_tokenizer(model, draft)
+        if spec.draft_dtype is not None:
+            draft = with_weight_dtype(draft, spec.draft_dtype)
+        if spec.draft_vocab is not None:
+            draft = trimmed_draft(draft, spec.draft_vocab, load)
     max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)

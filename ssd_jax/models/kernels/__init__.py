@@ -1,7 +1,8 @@
 """Hand-written CPU kernels called through the XLA FFI (issue 13, item 1).
 
 One kernel today, ``rows_matmul.cc``: ``y = x @ W^T`` for a few rows of ``x`` (float32, W
-stored (out, in) as the checkpoint has it). XLA:CPU's dot reads such a product at 1.5-2.2x
+stored (out, in) as the checkpoint has it, in float32 or bfloat16: a draft whose weights are
+stored in bfloat16 streams half the bytes, ``--draft-dtype``). XLA:CPU's dot reads such a product at 1.5-2.2x
 the cost of a one-row matvec (``experiments/results/matmul_forms_cpu.md``); the kernel reads
 every weight once and contracts it with all rows while it is in registers
 (``experiments/results/matmul_kernel_cpu.md``).
@@ -35,6 +36,9 @@ ENV = "SSD_JAX_KERNELS"
 SOURCE = Path(__file__).with_name("rows_matmul.cc")
 SYMBOL = "SsdJaxRowsMatmul"
 TARGET = "ssd_jax_rows_matmul"
+#: the same kernel with W in bfloat16 (x and y float32)
+SYMBOL_BF16 = "SsdJaxRowsMatmulBF16"
+TARGET_BF16 = "ssd_jax_rows_matmul_bf16"
 #: flag sets tried in order (the first that compiles wins)
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-w")
@@ -140,7 +144,8 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.CDLL(str(build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        for target, symbol in ((TARGET, SYMBOL), (TARGET_BF16, SYMBOL_BF16)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return True
     except Exception as e:  # any failure means: use the einsum
         warnings.warn(f"ssd_jax CPU matmul kernel unavailable, using XLA's dot ({e})", stacklevel=2)
@@ -158,24 +163,25 @@ def _one_device(a: jax.Array) -> bool:
 
 
 def usable(x: jax.Array, w: jax.Array) -> bool:
-    """Whether ``x @ w.T`` (x (..., K), w (N, K)) goes to the kernel: float32, 1..MAX_ROWS rows,
-    both on one device, the kernel available."""
+    """Whether ``x @ w.T`` (x (..., K), w (N, K)) goes to the kernel: x float32, w float32 or
+    bfloat16, 1..MAX_ROWS rows, both on one device, the kernel available."""
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
     return (
-        x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
+        x.dtype == jnp.float32 and w.dtype in (jnp.float32, jnp.bfloat16) and w.ndim == 2
         and 1 <= rows <= MAX_ROWS and _one_device(x) and _one_device(w) and available()
     )
 
 
 def _ffi(x2: jax.Array, w: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x2.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, w)
+    target = TARGET_BF16 if w.dtype == jnp.bfloat16 else TARGET
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, w)
 
 
 def _einsum(x2: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("mi,oi->mo", x2, w)
+    return jnp.einsum("mi,oi->mo", x2, w, preferred_element_type=jnp.float32)
 
 
 @jax.custom_jvp
@@ -190,7 +196,8 @@ def _rows_jvp(primals, tangents):  # differentiate as the einsum (linear in each
 
 
 def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` through the kernel for x (..., K) and w (N, K), float32 (see :func:`usable`)."""
+    """``x @ w.T`` through the kernel for x (..., K) float32 and w (N, K) float32 or bfloat16, in
+    float32 (see :func:`usable`)."""
     lead = x.shape[:-1]
     y = _rows(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0])
