@@ -3,6 +3,10 @@ M = 1 and M = 5 rows, on the SmolLM2-135M and Qwen2.5-0.5B shapes (float32).
 
     python experiments/matmul_kernel.py --models smollm2-135m qwen-0.5b --reps 7
 
+``--weight-dtypes float32 bfloat16`` also times W stored in bfloat16 under float32 rows (a
+``--draft-dtype bfloat16`` draft): XLA's mixed dot ``xla-bf16`` against the kernel's bfloat16
+path ``kernel-bf16``, interleaved with the float32 pair (``experiments/results/draft_bf16_cpu.md``).
+
 As in ``experiments/matmul_forms.py``: L distinct copies of the matrix (about 300 MB in all,
 so the weights stream from memory, not from the 260 MB L3 of this VM) are applied in one
 jitted call and the time is divided by L. The two implementations and both row counts
@@ -40,6 +44,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="row counts (1 and 5 give the ratios)")
     ap.add_argument("--roles", nargs="+", help="only these roles (q/o, k/v, gate/up, down, lm_head)")
+    ap.add_argument("--head-rows", type=int, default=None, help="lm_head rows (e.g. 32768: a trimmed draft head)")
+    ap.add_argument("--weight-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="dtypes W is stored in (x and y stay float32)")
     a = ap.parse_args()
 
     import jax
@@ -49,7 +56,14 @@ def main() -> None:
     from ssd_jax.models import kernels
 
     assert kernels.available(), "the kernel did not build"
-    impls = {"xla": lambda x, w: x @ w.T, "kernel": kernels.rows_matmul}
+    def xla(x, w):
+        return jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32)
+
+    impls = {}
+    for dt in a.weight_dtypes:
+        sfx = "" if a.weight_dtypes == ["float32"] else "-" + {"float32": "f32", "bfloat16": "bf16"}[dt]
+        impls[f"xla{sfx}"] = (dt, xla)
+        impls[f"kernel{sfx}"] = (dt, kernels.rows_matmul)
     rows = tuple(a.rows)
     rng = np.random.default_rng(0)
     out = []
@@ -57,38 +71,43 @@ def main() -> None:
         for role, (n, k) in shapes(model).items():
             if a.roles and role not in a.roles:
                 continue
-            L = int(max(1, min(256, TOTAL_BYTES // (n * k * 4))))
-            ws = [jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)) for _ in range(L)]
+            if role == "lm_head" and a.head_rows:
+                n = a.head_rows
+            # per dtype, L copies of about TOTAL_BYTES in all: the weights stream from memory
+            size = {dt: jnp.dtype(dt).itemsize for dt in a.weight_dtypes}
+            L = {dt: int(max(1, min(256 * 4 // size[dt], TOTAL_BYTES // (n * k * size[dt])))) for dt in a.weight_dtypes}
+            wsets = {dt: [jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)).astype(dt) for _ in range(L[dt])]
+                     for dt in a.weight_dtypes}
             xs = {m: jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)) for m in rows}
             fns = {}
-            for name, mm in impls.items():
+            for name, (dt, mm) in impls.items():
                 def run(x, ws, mm=mm):  # separate outputs: a sum would let XLA fuse its M = 1 dots badly
                     return [mm(x, w) for w in ws]
-                fns[name] = jax.jit(run)
-            for f in fns.values():
+                fns[name] = (dt, jax.jit(run))
+            for dt, f in fns.values():
                 for x in xs.values():
-                    jax.block_until_ready(f(x, ws))
+                    jax.block_until_ready(f(x, wsets[dt]))
             t = {(name, m): [] for name in fns for m in rows}
             load0 = os.getloadavg()[0]
             for _ in range(a.reps):
                 for m, x in xs.items():
-                    for name, f in fns.items():
+                    for name, (dt, f) in fns.items():
                         t0 = time.perf_counter()
-                        jax.block_until_ready(f(x, ws))
-                        t[(name, m)].append((time.perf_counter() - t0) / L)
+                        jax.block_until_ready(f(x, wsets[dt]))
+                        t[(name, m)].append((time.perf_counter() - t0) / L[dt])
             med = {f"{name} M={m}": float(np.median(v)) for (name, m), v in t.items()}
             row = {"model": model, "role": role, "shape": [n, k], "copies": L, "median_s": med,
-                   "load": [load0, os.getloadavg()[0]]}
+                   "load": [load0, os.getloadavg()[0]], "weight_dtypes": a.weight_dtypes}
             out.append(row)
             ratios = ""
-            if {1, 5} <= set(rows):
+            if {1, 5} <= set(rows) and "xla M=1" in med:
                 e1 = med["xla M=1"]
                 ratios = (f" | xla5/xla1 {med['xla M=5'] / e1:.2f}  kernel5/xla1 {med['kernel M=5'] / e1:.2f}"
                           f"  kernel5/kernel1 {med['kernel M=5'] / med['kernel M=1']:.2f}"
                           f"  kernel1/xla1 {med['kernel M=1'] / e1:.2f}")
             print(f"{model} {role} {n}x{k} (L={L}, load {load0:.2f}->{row['load'][1]:.2f}): "
                   + "  ".join(f"{c} {v * 1e3:.3f} ms" for c, v in med.items()) + ratios, flush=True)
-            del ws
+            del wsets
     rec = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jax": jax.__version__,
            "reps": a.reps, "row_counts": list(rows), "rows": out}
     with open(ROOT / "experiments" / "results" / "matmul_kernel_cpu.jsonl", "a") as f:
