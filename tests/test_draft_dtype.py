@@ -34,7 +34,7 @@ def test_only_the_matrices_are_cast_and_the_cast_is_cached(close_pair):
     _, draft = close_pair
     bf = with_weight_dtype(draft, "bfloat16")
     assert bf.cfg.weight_dtype == "bfloat16" and bf.cfg.dtype == "float32"
-    assert bf.cfg.matrix_dtype == jnp.bfloat16 and draft.cfg.matrix_dtype == jnp.float32
+    assert draft.cfg.weight_dtype is None  # stored in its compute dtype
     layer = bf.params["layers"][0]
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         assert layer[name].dtype == jnp.bfloat16, name

@@ -84,11 +84,6 @@ class ModelConfig:
     def jnp_dtype(self):
         return jnp.dtype(self.dtype)
 
-    @property
-    def matrix_dtype(self):
-        """The dtype of the stored weight matrices (``weight_dtype``, else ``dtype``)."""
-        return jnp.dtype(self.weight_dtype or self.dtype)
-
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 

@@ -107,7 +107,7 @@ def contract(
     if order == "kernel" or narrow:
         from ssd_jax.models import kernels
 
-        # XLA:CPU's dot of float32 rows with bfloat16 weights is 10-20x slower than the float32
+        # XLA:CPU's dot of float32 rows with bfloat16 weights is 4.5-20x slower than the float32
         # one (experiments/results/draft_bf16_cpu.md): such weights go to the kernel at any order
         if preferred_element_type in (None, jnp.float32) and layout == "oi" and kernels.usable(x, w):
             return kernels.rows_matmul(x, w)
