@@ -1,5 +1,5 @@
 """Per matrix: XLA's ``x @ W.T`` against the project's CPU kernel (``ssd_jax.models.kernels``) at
-M = 1 and M = 5 rows, on the SmolLM2-135M and Qwen2.5-0.5B shapes (float32).
+M = 1 and M = 5 rows, on the SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B shapes (float32).
 
     python experiments/matmul_kernel.py --models smollm2-135m qwen-0.5b --reps 7
 
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, not an installed one
 MODELS = {  # d, f, v, q out, kv out
     "smollm2-135m": (576, 1536, 49152, 576, 192),
     "qwen-0.5b": (896, 4864, 151936, 896, 128),
+    "qwen-1.5b": (1536, 8960, 151936, 1536, 256),
 }
 TOTAL_BYTES = 300e6
 
