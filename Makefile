@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   creates .venv, installs ssd_jax, fetches the default model, generates text
 #   make test   creates .venv with the test extras and runs the test suite
-#   make kernels  builds the CPU matmul kernel into ~/.cache/ssd_jax/kernels (else built on first use)
+#   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
 #   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
 #                 benchmark protocol (many CPU hours; rerun to resume)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ssd_jax.models import forms as F
+from ssd_jax.models import kernels
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import Params
 
@@ -148,11 +149,8 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     q = q.reshape(B, T, KVH, G, hd)
     kw, vw = (k_cache, v_cache) if window is None else (k_cache[:, :window], v_cache[:, :window])
     mask = mask if window is None else mask[..., :window]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, kw, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(hd))
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(vw.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, vw).reshape(B, T, H, hd)
+    # the CPU kernel for a few new tokens (float32, one device), else XLA's einsums
+    out = kernels.attention(q, kw, vw, mask, 1.0 / math.sqrt(hd))
     return matmul(out.reshape(B, T, H * hd), layer["wo"], fm.o, D), k_cache, v_cache
 
 

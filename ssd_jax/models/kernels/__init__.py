@@ -1,13 +1,16 @@
 """Hand-written CPU kernels called through the XLA FFI (issue 13, item 1).
 
-One kernel today, ``rows_matmul.cc``: ``y = x @ W^T`` for a few rows of ``x`` (float32, W
-stored (out, in) as the checkpoint has it, in float32 or bfloat16: a draft whose weights are
-stored in bfloat16 streams half the bytes, ``--draft-dtype``). XLA:CPU's dot reads such a product at 1.5-2.2x
-the cost of a one-row matvec (``experiments/results/matmul_forms_cpu.md``); the kernel reads
-every weight once and contracts it with all rows while it is in registers
-(``experiments/results/matmul_kernel_cpu.md``).
+``rows_matmul.cc``: ``y = x @ W^T`` for a few rows of ``x`` (float32, W stored (out, in) as the
+checkpoint has it, in float32 or bfloat16: a draft whose weights are stored in bfloat16 streams
+half the bytes, ``--draft-dtype``). XLA:CPU's dot reads such a product at 1.5-2.2x the cost of a
+one-row matvec (``experiments/results/matmul_forms_cpu.md``); the kernel reads every weight once
+and contracts it with all rows while it is in registers (``experiments/results/matmul_kernel_cpu.md``).
 
-Built by the project itself: on first use the source is compiled with ``g++`` (``$CXX`` if
+``attention.cc``: grouped-query attention of up to ``ATTENTION_MAX_T`` new tokens over the KV
+cache (decode, verify, SSD tree steps), float32: every cached key / value read once for all the
+query rows of its group, slots no query may see skipped (``experiments/results/attention_cpu.md``).
+
+Built by the project itself: on first use the sources are compiled together with ``g++`` (``$CXX`` if
 set; ``-O3 -march=native``, else ``-O3``) into ``~/.cache/ssd_jax/kernels/<hash>/`` (the hash
 covers the source, the compiler, the flags, jax's version and the CPU), under a file lock,
 written to a temporary name and renamed into place. ``make kernels`` builds it ahead of time.
@@ -31,14 +34,24 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ENV = "SSD_JAX_KERNELS"
-SOURCE = Path(__file__).with_name("rows_matmul.cc")
+HERE = Path(__file__).parent
+#: compiled together into one library; HEADERS are hashed into the build key too
+SOURCES = (HERE / "rows_matmul.cc", HERE / "attention.cc")
+HEADERS = (HERE / "cpu.h",)
 SYMBOL = "SsdJaxRowsMatmul"
 TARGET = "ssd_jax_rows_matmul"
 #: the same kernel with W in bfloat16 (x and y float32)
 SYMBOL_BF16 = "SsdJaxRowsMatmulBF16"
 TARGET_BF16 = "ssd_jax_rows_matmul_bf16"
+#: attention of a few query tokens over the KV cache (attention.cc)
+SYMBOL_ATTENTION = "SsdJaxAttention"
+TARGET_ATTENTION = "ssd_jax_attention"
+#: the attention kernel serves 1 <= T <= ATTENTION_MAX_T new tokens per row (decode, verify, SSD
+#: tree steps); longer blocks (prefill, training) keep the einsum
+ATTENTION_MAX_T = 64
 #: flag sets tried in order (the first that compiles wins)
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-w")
@@ -83,7 +96,7 @@ def _compiler_version(cxx: str) -> str:
 
 def _key(cxx: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(flags).encode(),
+    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), _compiler_version(cxx).encode(), " ".join(flags).encode(),
                  jax.__version__.encode(), _cpu_tag().encode()):
         h.update(part)
         h.update(b"\0")
@@ -91,8 +104,8 @@ def _key(cxx: str, flags: tuple[str, ...]) -> str:
 
 
 def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> str:
-    """Compiles SOURCE to ``out`` (atomically); returns "" or the compiler's complaint."""
-    cmd = [cxx, *flags, *BASE_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE)]
+    """Compiles SOURCES to ``out`` (atomically); returns "" or the compiler's complaint."""
+    cmd = [cxx, *flags, *BASE_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}", *map(str, SOURCES)]
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -117,7 +130,7 @@ def build(force: bool = False) -> Path:
     errors = []
     for flags in FLAG_SETS:
         d = cache_root() / _key(cxx, flags)
-        lib = d / "librows_matmul.so"
+        lib = d / "libssd_jax_kernels.so"
         if lib.exists() and not force:
             return lib
         d.mkdir(parents=True, exist_ok=True)
@@ -144,11 +157,11 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.CDLL(str(build()))
-        for target, symbol in ((TARGET, SYMBOL), (TARGET_BF16, SYMBOL_BF16)):
+        for target, symbol in ((TARGET, SYMBOL), (TARGET_BF16, SYMBOL_BF16), (TARGET_ATTENTION, SYMBOL_ATTENTION)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         return True
     except Exception as e:  # any failure means: use the einsum
-        warnings.warn(f"ssd_jax CPU matmul kernel unavailable, using XLA's dot ({e})", stacklevel=2)
+        warnings.warn(f"ssd_jax CPU kernels unavailable, using XLA's dot and einsums ({e})", stacklevel=2)
         return False
 
 
@@ -201,3 +214,49 @@ def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     lead = x.shape[:-1]
     y = _rows(x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*lead, w.shape[0])
+
+
+def attention_usable(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether :func:`attention` runs the kernel: float32 queries and cache, 1..ATTENTION_MAX_T new
+    tokens, everything on one device, the kernel available."""
+    return (
+        q.ndim == 5 and 1 <= q.shape[1] <= ATTENTION_MAX_T
+        and all(a.dtype == jnp.float32 for a in (q, k, v))
+        and all(_one_device(a) for a in (q, k, v)) and available()
+    )
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention with XLA's einsums: q (B, T, KVH, G, hd), k / v (B, S, KVH, hd),
+    mask (B, T, S) -> (B, T, KVH, G, hd) in v's dtype (a row that sees nothing gets the mean value)."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+
+
+def _attention_ffi(q, k, v, mask, *, scale):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(q, k, v, mask, scale=np.float32(scale))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _attention(q, k, v, mask, scale):
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=functools.partial(_attention_ffi, scale=scale),
+                                      default=functools.partial(attention_reference, scale=scale))
+
+
+@_attention.defjvp
+def _attention_jvp(scale, primals, tangents):  # differentiate as the reference
+    q, k, v, mask = primals
+    dq, dk, dv, _ = tangents
+    _, t = jax.jvp(lambda a, b, c: attention_reference(a, b, c, mask, scale), (q, k, v), (dq, dk, dv))
+    return _attention(q, k, v, mask, scale), t
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention of a few new tokens over a KV cache (shapes as
+    :func:`attention_reference`): the CPU kernel where :func:`attention_usable`, else the reference."""
+    if not attention_usable(q, k, v):
+        return attention_reference(q, k, v, mask, scale)
+    return _attention(q, k, v, mask.astype(jnp.bool_), float(scale))

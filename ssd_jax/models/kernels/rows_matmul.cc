@@ -16,10 +16,7 @@
 #include <memory>
 #include <thread>
 
-#ifdef __linux__
-#include <sched.h>
-#endif
-
+#include "cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,17 +24,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 
-// 16 floats; with -march=native on an AVX-512 machine one zmm register, else split by GCC.
-typedef float v16 __attribute__((vector_size(64)));
+using ssd_jax_kernels::load16;
+using ssd_jax_kernels::v16;
 
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // 16 bfloat16 values widened to float32: a bfloat16 is the top half of a float32's bits.
 inline v16 load16(const uint16_t* p) {
@@ -130,13 +121,6 @@ void rows_range(const float* x, const W* w, float* y, int64_t M, int64_t K, int6
   for (; n < n1; ++n) rows_block<1, W>(w + n * K, x, M, K, y + n, N, nullptr);
 }
 
-int64_t usable_cores() {
-#ifdef __linux__
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-#endif
-  return std::max(1u, std::thread::hardware_concurrency());
-}
 
 template <typename W>
 struct Work {
@@ -174,7 +158,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   // XLA's pool has one thread per core normally, but one per fake device under
   // --xla_force_host_platform_device_count (8 on 2 cores in the tests): never use more
   // threads than the cores this process may run on.
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), usable_cores()));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
   // About 4 chunks per thread (load balance on a shared machine), each a multiple of 4 rows
   // and at least 64 KiB of W (so the scheduling cost stays small for the narrow matrices).
   const int64_t min_rows =

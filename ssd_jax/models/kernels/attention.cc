@@ -1,0 +1,209 @@
+// Attention of a few new query tokens over a static-shape KV cache, float32, CPU:
+//   q (B, T, KVH, G, hd), k / v (B, S, KVH, hd), mask (B, T, S) bool -> out (B, T, KVH, G, hd)
+//   out[b, t, j, g] = sum_s softmax_s(scale * q[b, t, j, g] . k[b, s, j] | mask[b, t, s]) v[b, s, j]
+// (grouped-query attention: the G query heads of a group share the group's key / value head).
+//
+// Built with rows_matmul.cc by ssd_jax/models/kernels/__init__.py; called through the XLA FFI
+// ("ssd_jax_attention"). XLA:CPU runs the einsum formulation of decode / verify attention (two
+// small batched dots with the cache transposed, a masked softmax) at several times its memory
+// cost (experiments/results/attention_cpu.md); here each (row b, key/value head j) is one work item:
+// every key and value vector is read once and used for all G * T query rows of the group, and
+// slots past the last one any query row may see are never read (the cache is sized for the
+// longest run; a row's context is usually shorter).
+//
+// A query row that sees no slot gets the mean of all S values, as the einsum reference does
+// (its scores are all the float32 minimum there, so its softmax is uniform).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "cpu.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using ssd_jax_kernels::load16;
+using ssd_jax_kernels::store16;
+typedef ssd_jax_kernels::v16 f16v;
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  f16v acc = f16v{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 16 lanes: 2^n * e^r with |r| <= ln2 / 2, a
+// degree-6 polynomial for e^r (relative error about 2e-7, float32's own rounding); lanes below
+// -87 give 0.
+inline f16v exp_neg(f16v x) {
+  const f16v lo = f16v{} - 87.f;
+  x = x < lo ? lo : x;  // lane-wise select
+  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const f16v n = (x * 1.4426950408889634f + magic) - magic;
+  const f16v r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  f16v p = f16v{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  f16v scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const f16v out = p * scale;
+  return x <= lo ? f16v{} : out;
+}
+
+struct Shape {
+  int64_t B, T, KVH, G, hd, S;
+};
+
+// One (b, j) work item. scores: scratch of G * T * S floats.
+void attend(const float* q, const float* k, const float* v, const bool* mask, float* out, const Shape& d, float scale,
+            int64_t b, int64_t j, float* scores) {
+  const int64_t T = d.T, G = d.G, hd = d.hd, S = d.S, KVH = d.KVH;
+  const bool* mb = mask + b * T * S;
+  // the slots any query row of this batch row may see: [0, smax)
+  int64_t smax = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = S - 1; s >= smax; --s)
+      if (mb[t * S + s]) {
+        smax = s + 1;
+        break;
+      }
+  const int64_t kstride = KVH * hd;
+  const float* kb = k + (b * S * KVH + j) * hd;
+  const float* vb = v + (b * S * KVH + j) * hd;
+  const int64_t rows = T * G;
+  auto qrow = [&](int64_t t, int64_t g) { return q + (((b * T + t) * KVH + j) * G + g) * hd; };
+  auto orow = [&](int64_t t, int64_t g) { return out + (((b * T + t) * KVH + j) * G + g) * hd; };
+  const float neg = -std::numeric_limits<float>::infinity();
+  // scores: every key read once, dotted with all rows of the group
+  for (int64_t s = 0; s < smax; ++s) {
+    const float* ks = kb + s * kstride;
+    for (int64_t t = 0; t < T; ++t) {
+      const bool vis = mb[t * S + s];
+      for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * S + s] = vis ? scale * dot(qrow(t, g), ks, hd) : neg;
+    }
+  }
+  // softmax per row over [0, smax) (rows that see nothing: uniform over all S)
+  std::vector<char> blind(rows, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * S;
+    float m = neg;
+    for (int64_t s = 0; s < smax; ++s) m = std::max(m, sr[s]);
+    if (m == neg) {
+      blind[r] = 1;
+      continue;
+    }
+    f16v tot = f16v{};
+    int64_t s = 0;
+    for (; s + 16 <= smax; s += 16) {
+      const f16v e = exp_neg(load16(sr + s) - m);
+      store16(sr + s, e);
+      tot += e;
+    }
+    float sum = 0.f;
+    for (int l = 0; l < 16; ++l) sum += tot[l];
+    for (; s < smax; ++s) {
+      const float e = sr[s] == neg ? 0.f : std::exp(sr[s] - m);
+      sr[s] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+    for (s = 0; s < smax; ++s) sr[s] *= inv;
+  }
+  // output: every value read once, accumulated into all rows of the group
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) std::memset(orow(t, g), 0, sizeof(float) * hd);
+  for (int64_t s = 0; s < smax; ++s) {
+    const float* vs = vb + s * kstride;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = t * G + g;
+        const float p = scores[r * S + s];
+        if (blind[r] || p == 0.f) continue;
+        float* o = orow(t, g);
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) store16(o + i, load16(o + i) + p * load16(vs + i));
+        for (; i < hd; ++i) o[i] += p * vs[i];
+      }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      if (!blind[t * G + g]) continue;
+      float* o = orow(t, g);
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t i = 0; i < hd; ++i) o[i] += vb[s * kstride + i];
+      for (int64_t i = 0; i < hd; ++i) o[i] /= float(S);
+    }
+}
+
+struct Work {
+  const float *q, *k, *v;
+  const bool* mask;
+  float* out;
+  Shape d;
+  float scale;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void drain() {
+    std::vector<float> scores(d.T * d.G * d.S);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      attend(q, k, v, mask, out, d, scale, i / d.KVH, i % d.KVH, scores.data());
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                         float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || md.size() != 3 || kd[0] != qd[0] || kd[2] != qd[2] || kd[3] != qd[4] ||
+      md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[1] || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("attention: want q (B,T,KVH,G,hd), k/v (B,S,KVH,hd), mask (B,T,S)");
+  auto work = std::make_shared<Work>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->mask = reinterpret_cast<const bool*>(mask.untyped_data());
+  work->out = out->typed_data();
+  work->d = Shape{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+  work->scale = scale;
+  work->items = qd[0] * qd[2];
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
+  const int64_t helpers = std::min(threads, work->items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
