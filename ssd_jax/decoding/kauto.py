@@ -26,7 +26,7 @@ from one calibration (:func:`calibrate`) made at the run's batch size B:
 
 The measurement is stored as JSON under ``$SSD_JAX_KAUTO_CACHE`` (default
 ``<cache root>/kauto``; the cache root is ``$SSD_JAX_CACHE`` or ``~/.cache/ssd_jax``), one file
-per (device kind, jax version, target, draft, batch size), written atomically (temporary file,
+per (device kind, jax version, target, draft, batch size; on CPU also the kernels' build), written atomically (temporary file,
 then rename). The target and a draft model are identified by a hash of their config and of a
 slice of their weights. K is recomputed from the stored α and costs, so the same cache gives the
 same K (and a seeded run the same tokens). Delete the file (or the folder), or set
@@ -53,6 +53,7 @@ from ssd_jax.decoding.sd import sd_steps
 from ssd_jax.drafters.base import check_same_tokenizer
 from ssd_jax.drafters.ngram import ngram_lookup, ngram_proposals
 from ssd_jax.loading.registry import cache_root
+from ssd_jax.models import kernels
 from ssd_jax.parallel.placement import cache_for, put_on
 
 __all__ = ["ALPHA_PRIOR", "CAL_TEXTS", "calibrate", "kauto_dir", "resolve_k"]
@@ -93,6 +94,8 @@ def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
     dev = jax.devices()[0]
     fields = {"format": FORMAT, "platform": dev.platform, "device_kind": dev.device_kind, "jax": jax.__version__,
               "target": _fingerprint(model), "draft": desc, "batch": batch}
+    if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code
+        fields["kernels"] = kernels.build_id()
     return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 

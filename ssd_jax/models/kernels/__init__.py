@@ -165,6 +165,12 @@ def available() -> bool:
         return False
 
 
+def build_id() -> str:
+    """The loaded kernels' build key (a hash of their sources, compiler, flags, jax and CPU), or
+    "off": measurements that depend on the kernels' speed (``--k auto``) are keyed by it."""
+    return build().parent.name if available() else "off"
+
+
 def _one_device(a: jax.Array) -> bool:
     """Whether ``a`` (a value or a tracer) lives on at most one device, read from its type at
     trace time: GSPMD cannot split the custom call, so a sharded operand would be gathered."""
