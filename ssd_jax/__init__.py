@@ -6,6 +6,7 @@
     print(res.outputs[0]["text"], res.metrics["tokens_per_s"])
 """
 
+from ssd_jax import xla_env  # noqa: F401  (first: XLA_FLAGS must be set before a backend starts)
 from ssd_jax.decoding.batch import GenerationResult
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.engine import generate

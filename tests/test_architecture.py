@@ -18,7 +18,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "ssd_jax"
 
 LAYERS = {
-    "errors": 0, "compile": 0,
+    "errors": 0, "compile": 0, "xla_env": 0,
     "models": 1,
     "loading": 2, "parallel": 2, "data": 2,
     "sampling": 3,

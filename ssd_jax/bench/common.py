@@ -9,8 +9,11 @@ import subprocess
 
 
 def environment() -> dict:
-    """JAX version, backend, devices, cores, Python, git commit and load average: stored with every result."""
+    """JAX version, backend, devices, cores, Python, git commit, load average and the XLA flags in
+    effect (``XLA_FLAGS``; ``cpu_memory_scheduler``: see :mod:`ssd_jax.xla_env`): stored with every result."""
     import jax
+
+    from ssd_jax import xla_env
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -26,6 +29,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "git_commit": commit,
         "loadavg": os.getloadavg(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cpu_memory_scheduler": xla_env.MEMORY_SCHEDULER,
     }
 
 
