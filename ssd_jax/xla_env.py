@@ -11,7 +11,7 @@ pass whose weights are stored narrower than its activations (a ``--draft-dtype b
 draft outside the row kernel's range, e.g. its prefill), those operations are the weight
 conversions of every layer, and all of them become live at once. The prefill of the trimmed
 bfloat16 Qwen-0.5B draft held a 1.37 GB temporary buffer (25 MB with the memory-minimising
-scheduler), which the OS faulted in afresh on every call: about 335k page faults and 1-2 s of
+scheduler), which the OS faulted in afresh on every call: about 350k page faults and 2-3 s of
 kernel time per generation, more when the machine's memory is short
 (``experiments/results/cpu_scheduler.md``). The flag only concerns the CPU backend.
 """
