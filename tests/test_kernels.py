@@ -36,6 +36,25 @@ def test_kernel_builds_and_registers():
     assert kernels.build().exists()
 
 
+def test_build_id_is_the_loaded_build_and_costs_no_subprocess(monkeypatch):
+    want = kernels.build().parent.name
+    import subprocess
+
+    def refuse(*a, **k):
+        raise AssertionError("build_id() ran a subprocess")
+
+    monkeypatch.setattr(subprocess, "run", refuse)  # asked on every generate() with K auto
+    assert kernels.build_id() == want
+    monkeypatch.setenv(kernels.ENV, "off")
+    kernels.available.cache_clear()
+    try:
+        assert kernels.build_id() == "off"
+    finally:
+        monkeypatch.undo()
+        kernels.available.cache_clear()
+    assert kernels.build_id() == want
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 9, 16])
 @pytest.mark.parametrize("n,k", [(40, 64), (130, 576), (7, 33), (1024, 200)])
 def test_kernel_equals_einsum(m, n, k):

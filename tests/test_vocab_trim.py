@@ -102,7 +102,8 @@ def test_spec_draft_vocab_trims_through_generate(trim_pair, ar_ref, monkeypatch)
         res = generate(target, PROMPTS, _sp(), SpecConfig(method=method, draft=draft, k=3, draft_vocab=KEEP))
         assert [o["token_ids"] for o in res.outputs] == ar_ref
         assert res.metrics["draft_vocab"] == KEEP
-    assert seen == [draft, draft]
+    assert seen == [draft]  # counted and cut once: the loaded draft's trimmed copy is reused
+    assert dv.trimmed_draft(draft, KEEP, None) is dv.trimmed_draft(draft, KEEP, None)
     with pytest.raises(UserError, match="vocabulary of 128"):
         generate(target, PROMPTS, _sp(), SpecConfig(method="sd", draft=draft, k=3, draft_vocab=V + 1))
     assert dv.trimmed_draft(draft, V, None) is draft  # all kept: nothing to trim

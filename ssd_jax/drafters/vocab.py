@@ -245,4 +245,9 @@ def trimmed_draft(draft: Any, n: int, load: Callable[[str], Any]):
         raise UserError(f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}")
     if n == vocab:  # every token kept: the full head is the trimmed head
         return full_head(model)
-    return trim_to(model, n, draft)
+    if isinstance(draft, str):  # loaded afresh: nothing to reuse
+        return trim_to(model, n, draft)
+    from ssd_jax.loading.loaded import derived
+
+    # a loaded draft reused across generate() calls: counts read and head cut once
+    return derived(model, f"vocab:{n}", lambda: trim_to(model, n, draft))

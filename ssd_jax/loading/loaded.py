@@ -6,7 +6,7 @@ builds a :class:`NumpyModel` without importing the package face that imports it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import dataclasses
 import weakref
@@ -43,9 +43,21 @@ class LoadedModel:
     mesh: Any = None  # a jax.sharding.Mesh once placed on one (tensor parallel / SSD meshes); None = one device
 
 
-#: (id(model), dtype) -> (a weak reference to model, model with its matrices in dtype); an entry
-#: goes when its model does, so a draft reused across calls is cast once
-_NARROWED: dict[tuple[int, str], tuple[weakref.ref, LoadedModel]] = {}
+#: (id(model), tag) -> (a weak reference to model, a model derived from it); an entry goes when
+#: its model does, so a draft reused across ``generate`` calls is cast / trimmed once
+_DERIVED: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}
+
+
+def derived(model: Any, tag: str, make: Callable[[], Any]) -> Any:
+    """``make()``, computed once per live ``model`` and ``tag`` (the result must not refer to
+    ``model`` itself, or the entry would keep it alive)."""
+    key = (id(model), tag)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    out = make()
+    _DERIVED[key] = (weakref.ref(model, lambda _, k=key: _DERIVED.pop(k, None)), out)
+    return out
 
 
 def with_weight_dtype(model: LoadedModel, dtype: str) -> LoadedModel:
@@ -58,11 +70,5 @@ def with_weight_dtype(model: LoadedModel, dtype: str) -> LoadedModel:
     want = None if dtype == model.cfg.dtype else dtype
     if model.cfg.weight_dtype == want:
         return model
-    key = (id(model), dtype)
-    hit = _NARROWED.get(key)
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    out = dataclasses.replace(model, cfg=model.cfg.replace(weight_dtype=want),
-                              params=cast_matrices(model.cfg, model.params, jnp.dtype(dtype)))
-    _NARROWED[key] = (weakref.ref(model, lambda _, k=key: _NARROWED.pop(k, None)), out)
-    return out
+    return derived(model, f"dtype:{dtype}", lambda: dataclasses.replace(
+        model, cfg=model.cfg.replace(weight_dtype=want), params=cast_matrices(model.cfg, model.params, jnp.dtype(dtype))))

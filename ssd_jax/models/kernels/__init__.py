@@ -87,6 +87,7 @@ def _cpu_tag() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+@functools.cache  # once per process: build_id() is asked on every generate() with K auto
 def _compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -150,15 +151,21 @@ def build(force: bool = False) -> Path:
     raise RuntimeError("; ".join(errors))
 
 
+_LOADED: list[Path] = []  # the library available() loaded (its directory names the build)
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernel can be called here (enabled, built, loaded, registered with XLA:CPU)."""
+    _LOADED.clear()
     if not enabled():
         return False
     try:
-        lib = ctypes.CDLL(str(build()))
+        path = build()
+        lib = ctypes.CDLL(str(path))
         for target, symbol in ((TARGET, SYMBOL), (TARGET_BF16, SYMBOL_BF16), (TARGET_ATTENTION, SYMBOL_ATTENTION)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        _LOADED.append(path)
         return True
     except Exception as e:  # any failure means: use the einsum
         warnings.warn(f"ssd_jax CPU kernels unavailable, using XLA's dot and einsums ({e})", stacklevel=2)
@@ -168,7 +175,7 @@ def available() -> bool:
 def build_id() -> str:
     """The loaded kernels' build key (a hash of their sources, compiler, flags, jax and CPU), or
     "off": measurements that depend on the kernels' speed (``--k auto``) are keyed by it."""
-    return build().parent.name if available() else "off"
+    return _LOADED[0].parent.name if available() and _LOADED else "off"
 
 
 def _one_device(a: jax.Array) -> bool:
