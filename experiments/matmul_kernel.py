@@ -7,6 +7,10 @@ M = 1 and M = 5 rows, on the SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B shapes 
 ``--draft-dtype bfloat16`` draft): XLA's mixed dot ``xla-bf16`` against the kernel's bfloat16
 path ``kernel-bf16``, interleaved with the float32 pair (``experiments/results/draft_bf16_cpu.md``).
 
+``--baseline REV`` also builds the kernel sources of git revision REV (same compiler and flags)
+and interleaves them as ``base`` / ``base-bf16``: an A/B of a kernel change in one process
+(``experiments/results/kernel_reduction_cpu.md``).
+
 As in ``experiments/matmul_forms.py``: L distinct copies of the matrix (about 300 MB in all,
 so the weights stream from memory, not from the 260 MB L3 of this VM) are applied in one
 jitted call and the time is divided by L. The two implementations and both row counts
@@ -39,6 +43,39 @@ def shapes(model: str) -> dict[str, tuple[int, int]]:
     return {"q/o": (q, d), "k/v": (kv, d), "gate/up": (f, d), "down": (d, f), "lm_head": (v, d)}
 
 
+def baseline_kernel(rev: str):
+    """``x @ w.T`` by the kernel sources of git revision ``rev``, built to a temporary folder with
+    the project's flags and registered under their own FFI names (``<target>_baseline``)."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from ssd_jax.models import kernels
+
+    tmp = Path(tempfile.mkdtemp(prefix="kernel_baseline_"))
+    for f in (*kernels.SOURCES, *kernels.HEADERS):
+        rel = f.relative_to(ROOT).as_posix()
+        src = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True)
+        (tmp / f.name).write_text(src.stdout)
+    lib = tmp / "libbaseline.so"
+    cmd = [kernels.compiler(), *kernels.FLAG_SETS[0], *kernels.BASE_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{tmp}",
+           *(str(tmp / f.name) for f in kernels.SOURCES), "-o", str(lib)]
+    subprocess.run(cmd, check=True)
+    handle = ctypes.CDLL(str(lib))
+    for target, symbol in ((kernels.TARGET, kernels.SYMBOL), (kernels.TARGET_BF16, kernels.SYMBOL_BF16)):
+        jax.ffi.register_ffi_target(f"{target}_baseline", jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+
+    def mm(x, w):
+        target = kernels.TARGET_BF16 if w.dtype == jnp.bfloat16 else kernels.TARGET
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(f"{target}_baseline", out, vmap_method="sequential")(x, w)
+
+    return mm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
@@ -48,6 +85,7 @@ def main() -> None:
     ap.add_argument("--head-rows", type=int, default=None, help="lm_head rows (e.g. 32768: a trimmed draft head)")
     ap.add_argument("--weight-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="dtypes W is stored in (x and y stay float32)")
+    ap.add_argument("--baseline", metavar="REV", help="also time the kernel sources of this git revision")
     a = ap.parse_args()
 
     import jax
@@ -60,11 +98,14 @@ def main() -> None:
     def xla(x, w):
         return jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32)
 
+    base = baseline_kernel(a.baseline) if a.baseline else None
     impls = {}
     for dt in a.weight_dtypes:
         sfx = "" if a.weight_dtypes == ["float32"] else "-" + {"float32": "f32", "bfloat16": "bf16"}[dt]
         impls[f"xla{sfx}"] = (dt, xla)
         impls[f"kernel{sfx}"] = (dt, kernels.rows_matmul)
+        if base is not None:
+            impls[f"base{sfx}"] = (dt, base)
     rows = tuple(a.rows)
     rng = np.random.default_rng(0)
     out = []
@@ -110,7 +151,8 @@ def main() -> None:
                   + "  ".join(f"{c} {v * 1e3:.3f} ms" for c, v in med.items()) + ratios, flush=True)
             del wsets
     rec = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jax": jax.__version__,
-           "reps": a.reps, "row_counts": list(rows), "rows": out}
+           "reps": a.reps, "row_counts": list(rows), "rows": out, "baseline": a.baseline,
+           "kernel_build": kernels.build_id()}
     with open(ROOT / "experiments" / "results" / "matmul_kernel_cpu.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
