@@ -56,7 +56,8 @@ def derived(model: Any, tag: str, make: Callable[[], Any]) -> Any:
     if hit is not None and hit[0]() is model:
         return hit[1]
     out = make()
-    _DERIVED[key] = (weakref.ref(model, lambda _, k=key: _DERIVED.pop(k, None)), out)
+    # the callback holds the dict itself: at interpreter exit the module's globals may be gone
+    _DERIVED[key] = (weakref.ref(model, lambda _, k=key, d=_DERIVED: d.pop(k, None)), out)
     return out
 
 
