@@ -210,6 +210,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     else:
         cur_d, cur_all = pl.to_draft(cur_t)
         first = pl.read(cur_all)
+    jax.block_until_ready(dcache)  # the draft's prefill ends before decode time starts
     ttft = time.perf_counter() - t0
     batch.push_first(first, on_text)
     sp, pm, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, kdraft, rs_d, ctrl_d)
