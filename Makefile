@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make demo   creates .venv, installs ssd_jax, fetches the default model, generates text
 #   make test   creates .venv with the test extras and runs the test suite
+#   make lint   ruff's linter and formatter check over the tree (ruff format . fixes the formatting)
 #   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
 #   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
@@ -10,7 +11,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test test-slow install kernels bench distill-data draft sdsl-validate clean
+.PHONY: demo test lint test-slow install kernels bench distill-data draft sdsl-validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

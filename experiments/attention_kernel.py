@@ -40,8 +40,11 @@ def main() -> None:
 
     assert kernels.available(), "the kernels did not build"
     target = load_model("qwen2.5-coder-1.5b-instruct")
-    draft = trimmed_draft(with_weight_dtype(load_with_head("qwen2.5-coder-0.5b-instruct", dtype="float32"),
-                                            "bfloat16"), 32768, None)
+    draft = trimmed_draft(
+        with_weight_dtype(load_with_head("qwen2.5-coder-0.5b-instruct", dtype="float32"), "bfloat16"),
+        32768,
+        None,
+    )
     B, L, used = a.batch, 512, 250
     cases = {  # name: (model, T, argmax)
         "target T=1 (decode)": (target, 1, False),
@@ -59,8 +62,11 @@ def main() -> None:
                 return jnp.argmax(lg, -1) if arg else lg
 
             fns[(name, impl)] = jax.jit(f)
-            args[(name, impl)] = (m.params, cache_for(m, B, L).with_lengths(jnp.full((B,), used, jnp.int32)),
-                                  jnp.full((B, T), 100, jnp.int32))
+            args[(name, impl)] = (
+                m.params,
+                cache_for(m, B, L).with_lengths(jnp.full((B,), used, jnp.int32)),
+                jnp.full((B, T), 100, jnp.int32),
+            )
             jax.block_until_ready(fns[(name, impl)](*args[(name, impl)]))  # traced under this routing
     kernels.attention_usable = routed
     times = {key: [] for key in fns}
@@ -75,8 +81,16 @@ def main() -> None:
         k_ms, e_ms = (statistics.median(times[(name, i)]) * 1e3 for i in ("kernel", "einsum"))
         rows.append({"case": name, "kernel_ms": k_ms, "einsum_ms": e_ms})
         print(f"{name}: kernel {k_ms:.1f} ms, einsums {e_ms:.1f} ms, ratio {k_ms / e_ms:.3f}", flush=True)
-    rec = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jax": jax.__version__, "batch": B,
-           "cache_slots": L, "used": used, "reps": a.reps, "load": [load0, os.getloadavg()[0]], "rows": rows}
+    rec = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "jax": jax.__version__,
+        "batch": B,
+        "cache_slots": L,
+        "used": used,
+        "reps": a.reps,
+        "load": [load0, os.getloadavg()[0]],
+        "rows": rows,
+    }
     with open(ROOT / "experiments" / "results" / "attention_cpu.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 

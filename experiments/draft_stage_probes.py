@@ -5,6 +5,7 @@ experiments/results/qwen_b16_stages.md:
     python experiments/draft_stage_probes.py propose   # the compiled K = 2 proposal, without / with catch-up
     python experiments/draft_stage_probes.py context   # a one-token forward at several context lengths
 """
+
 import os
 import sys
 import time
@@ -44,7 +45,9 @@ def prefill(d, put):
     for i, x in enumerate(ids):
         toks[i, : len(x)] = x
     pre, _ = _draft_steps(d.cfg, 2, TARGET_VOCAB, False)
-    run = lambda: jax.block_until_ready(pre(d.params, cache_for(d, B, T + 64), put(toks), put(np.array(lens, np.int32))).k)
+    run = lambda: jax.block_until_ready(
+        pre(d.params, cache_for(d, B, T + 64), put(toks), put(np.array(lens, np.int32))).k
+    )
     for _ in range(3):
         print(f"draft prefill B={B} T={T}: {median_ms(run, 1, 0) / 1e3:.2f} s", flush=True)
 
@@ -58,7 +61,7 @@ def propose(d, put, L=300, K=2):
     for c in (False, True):
         state = {"cache": cache_for(d, B, 512)}
 
-        def run():
+        def run(state=state, c=c):
             cache = state["cache"].with_lengths(put(np.full((B,), L, np.int32)))
             toks, q, state["cache"] = prop[c](d.params, cache, tok, tok, key, rs)
             jax.block_until_ready((toks, q))
@@ -74,7 +77,7 @@ def context(d, put):
     for max_len, L in ((64, 16), (512, 16), (512, 300), (512, 480)):
         state = {"cache": cache_for(d, B, max_len)}
 
-        def run():
+        def run(state=state, L=L):
             cache = state["cache"].with_lengths(put(np.full((B,), L, np.int32)))
             lg, state["cache"] = score(d.params, cache, tok, none)
             lg.block_until_ready()
@@ -83,6 +86,10 @@ def context(d, put):
 
 
 if __name__ == "__main__":
-    probe = {"prefill": prefill, "propose": propose, "context": context}[sys.argv[1] if len(sys.argv) > 1 else "prefill"]
-    d = trimmed_draft(with_weight_dtype(ssd_jax.load_model("qwen2.5-coder-0.5b-instruct"), "bfloat16"), 32768, None)
+    probe = {"prefill": prefill, "propose": propose, "context": context}[
+        sys.argv[1] if len(sys.argv) > 1 else "prefill"
+    ]
+    d = trimmed_draft(
+        with_weight_dtype(ssd_jax.load_model("qwen2.5-coder-0.5b-instruct"), "bfloat16"), 32768, None
+    )
     probe(d, lambda x: put_on(d, x))

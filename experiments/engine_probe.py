@@ -22,15 +22,18 @@ import subprocess
 import time
 
 
-
 def _env() -> dict:
     import jax
 
     import ssd_jax
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(ssd_jax.__file__)))).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(ssd_jax.__file__))),
+        ).stdout.strip()
     except OSError:
         commit = ""
     return {"jax": jax.__version__, "commit": commit, "loadavg": os.getloadavg()[0]}
@@ -43,10 +46,22 @@ def probe_model(vocab: int | None = None):
     from ssd_jax.models.params import init_params
 
     real = ssd_jax.load_model("smollm2-135m-instruct")
-    cfg = real.cfg.replace(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                           head_dim=16, **({} if vocab is None else {"vocab_size": vocab}))
-    return dataclasses.replace(real, name="probe-2x64", cfg=cfg, params=init_params(cfg, 0, scale=0.1),
-                               tokenizer=real.tokenizer if vocab is None else None)
+    cfg = real.cfg.replace(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        **({} if vocab is None else {"vocab_size": vocab}),
+    )
+    return dataclasses.replace(
+        real,
+        name="probe-2x64",
+        cfg=cfg,
+        params=init_params(cfg, 0, scale=0.1),
+        tokenizer=real.tokenizer if vocab is None else None,
+    )
 
 
 def count_calls():
@@ -92,9 +107,15 @@ def run_one(model, method, prompts, tokens, counts, draft=None, batch_n=1):
     calls = sum(counts.values())
     decode_s = m["wall_s"] - m["ttft_s"]
     return {
-        "method": method, "tokens": tokens, "batch": len(res.outputs), "wall_s": wall,
-        "decode_tok_s": m["decode_tokens_per_s"], "e2e_tok_s": m["generated_tokens"] / wall,
-        "rounds": rounds, "calls": calls, "calls_per_round": calls / max(rounds, 1),
+        "method": method,
+        "tokens": tokens,
+        "batch": len(res.outputs),
+        "wall_s": wall,
+        "decode_tok_s": m["decode_tokens_per_s"],
+        "e2e_tok_s": m["generated_tokens"] / wall,
+        "rounds": rounds,
+        "calls": calls,
+        "calls_per_round": calls / max(rounds, 1),
         "ms_per_round": 1e3 * decode_s / max(rounds, 1),
         "ms_per_token": 1e3 * decode_s / max(1, m["generated_tokens"] - len(res.outputs)),
         "call_names": dict(counts),
@@ -107,7 +128,9 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lengths", type=int, nargs="*", default=[256, 512, 1024, 2048])
-    p.add_argument("--smollm", action="store_true", help="also SmolLM2-135M + its shipped draft at batch 1 and 16")
+    p.add_argument(
+        "--smollm", action="store_true", help="also SmolLM2-135M + its shipped draft at batch 1 and 16"
+    )
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     counts = count_calls()
@@ -124,8 +147,25 @@ def main(argv=None) -> None:
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: row[k] for k in ("tag", "suite", "method", "tokens", "batch", "decode_tok_s",
-                                              "calls_per_round", "ms_per_round", "ms_per_token")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: row[k]
+                    for k in (
+                        "tag",
+                        "suite",
+                        "method",
+                        "tokens",
+                        "batch",
+                        "decode_tok_s",
+                        "calls_per_round",
+                        "ms_per_round",
+                        "ms_per_token",
+                    )
+                }
+            ),
+            flush=True,
+        )
 
     for r in range(args.repeats):  # methods interleaved within each repeat
         for method in ("ar", "sd", "ssd", "ngram"):
@@ -144,7 +184,9 @@ def main(argv=None) -> None:
         for batch_n in (1, 16):
             for r in range(2):
                 for method in ("ar", "sd", "ngram", "ssd"):
-                    row = run_one(target, method, ids[r % len(ids):][:1], 32, counts, draft=draft, batch_n=batch_n)
+                    row = run_one(
+                        target, method, ids[r % len(ids) :][:1], 32, counts, draft=draft, batch_n=batch_n
+                    )
                     emit(row, suite=f"smollm-b{batch_n}", repeat=r)
 
 

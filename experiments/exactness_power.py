@@ -57,8 +57,10 @@ def unit_level_rows() -> list[dict]:
     target = test_sd.tiny_model(3, vocab=test_sd.V_SMALL, scale=0.3, layers=1)  # conftest.small_pair's target
     sp = SamplingParams(temperature=1.0)
     p_pair = test_sd.exact_pair_distribution(target, [3, 7, 1], RowSampling.broadcast(sp, 1), False).ravel()
-    for name, p, V, n_tok in (("test_verify Monte Carlo (t1)", p_verify, tv.V, 2),
-                              ("test_sd/test_ssd 20k pairs (slow)", p_pair, test_sd.V_SMALL, 2)):
+    for name, p, V, n_tok in (
+        ("test_verify Monte Carlo (t1)", p_verify, tv.V, 2),
+        ("test_sd/test_ssd 20k pairs (slow)", p_pair, test_sd.V_SMALL, 2),
+    ):
         for kind in ("to_top", "to_tail"):
             for d in DELTAS:
                 rej = 0
@@ -72,8 +74,16 @@ def unit_level_rows() -> list[dict]:
                         stat, df = test_sd.chi2_stat(counts, p, 20_000)
                         thr = test_sd.chi2_threshold(df)
                     rej += stat > thr
-                rows.append({"test": name, "tokens": 20_000, "kind": kind, "tv": d, "rejection_rate": rej / REPEATS,
-                             "repeats": REPEATS})
+                rows.append(
+                    {
+                        "test": name,
+                        "tokens": 20_000,
+                        "kind": kind,
+                        "tv": d,
+                        "rejection_rate": rej / REPEATS,
+                        "repeats": REPEATS,
+                    }
+                )
                 print(rows[-1], flush=True)
     return rows
 
@@ -86,24 +96,39 @@ def main() -> None:
         _, m, em = run_and_score(pair, "sd", "model", 1.0, T1, seed=100, n_rows=n_rows)
         for kind in ("to_top", "to_tail"):
             for d in DELTAS:
-                rej = sum(goodness_of_fit(em.biased(d, kind, np.random.default_rng(1000 + r)), seed=r).rejected
-                          for r in range(REPEATS))
-                rows.append({"tokens": len(em.tokens), "rows": 4 * n_rows, "kind": kind, "tv": d,
-                             "rejection_rate": rej / REPEATS, "repeats": REPEATS})
+                rej = sum(
+                    goodness_of_fit(em.biased(d, kind, np.random.default_rng(1000 + r)), seed=r).rejected
+                    for r in range(REPEATS)
+                )
+                rows.append(
+                    {
+                        "tokens": len(em.tokens),
+                        "rows": 4 * n_rows,
+                        "kind": kind,
+                        "tv": d,
+                        "rejection_rate": rej / REPEATS,
+                        "repeats": REPEATS,
+                    }
+                )
                 print(rows[-1], flush=True)
     for r in rows:
         r["test"] = "test_exactness goodness of fit (per token)"
     rows += unit_level_rows()
     out = ROOT / "experiments" / "results"
     (out / "exactness_power.json").write_text(json.dumps(rows, indent=1))
-    lines = ["# Power of the engine-level goodness-of-fit test", "",
-             f"Rejection rate over {REPEATS} simulated runs, family-wise alpha 1e-4 (written by "
-             "experiments/exactness_power.py). `to_top`: delta of the mass moved onto the most likely token; "
-             "`to_tail`: delta moved off it onto the rest, in proportion. TV = total-variation distance per token.", "",
-             "For the unit-level chi-square tests the bias is applied to the joint distribution of the tokens "
-             "they test (TV on that joint).", "",
-             "| test | samples | bias | " + " | ".join(f"TV {d}" for d in DELTAS) + " |",
-             "|---|---|---|" + "---|" * len(DELTAS)]
+    lines = [
+        "# Power of the engine-level goodness-of-fit test",
+        "",
+        f"Rejection rate over {REPEATS} simulated runs, family-wise alpha 1e-4 (written by "
+        "experiments/exactness_power.py). `to_top`: delta of the mass moved onto the most likely token; "
+        "`to_tail`: delta moved off it onto the rest, in proportion. TV = total-variation distance per token.",
+        "",
+        "For the unit-level chi-square tests the bias is applied to the joint distribution of the tokens "
+        "they test (TV on that joint).",
+        "",
+        "| test | samples | bias | " + " | ".join(f"TV {d}" for d in DELTAS) + " |",
+        "|---|---|---|" + "---|" * len(DELTAS),
+    ]
     groups = []
     for r in rows:
         g = (r["test"], r["tokens"], r["kind"])
@@ -111,7 +136,9 @@ def main() -> None:
             groups.append(g)
     for test, n, kind in groups:
         rr = [r for r in rows if (r["test"], r["tokens"], r["kind"]) == (test, n, kind)]
-        lines.append(f"| {test} | {n} | {kind} | " + " | ".join(f"{r['rejection_rate']:.2f}" for r in rr) + " |")
+        lines.append(
+            f"| {test} | {n} | {kind} | " + " | ".join(f"{r['rejection_rate']:.2f}" for r in rr) + " |"
+        )
     (out / "exactness_power.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -45,29 +45,79 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STATUS = "not yet run on a GPU: only --smoke has run (on CPU, in tests/test_gpu_check.py)"
 
-QWEN_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                num_attention_heads=12, num_key_value_heads=2)
-QWEN_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2)
-TINY_T = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2)
-TINY_D = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2)
+QWEN_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+)
+QWEN_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+)
+TINY_T = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+TINY_D = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
-FULL = {"target": QWEN_15B, "draft": QWEN_05B, "prompt_len": 128, "new_tokens": 128, "repeats": 3, "k": 4,
-        "bw_gbytes": 4.0, "limits": {"device": 60, "build": 120, "engine": 300, "forward": 90}}
-SMOKE = {"target": TINY_T, "draft": TINY_D, "prompt_len": 12, "new_tokens": 8, "repeats": 1, "k": 2,
-         "bw_gbytes": 0.02, "limits": {"device": 30, "build": 30, "engine": 120}}
+FULL = {
+    "target": QWEN_15B,
+    "draft": QWEN_05B,
+    "prompt_len": 128,
+    "new_tokens": 128,
+    "repeats": 3,
+    "k": 4,
+    "bw_gbytes": 4.0,
+    "limits": {"device": 60, "build": 120, "engine": 300, "forward": 90},
+}
+SMOKE = {
+    "target": TINY_T,
+    "draft": TINY_D,
+    "prompt_len": 12,
+    "new_tokens": 8,
+    "repeats": 1,
+    "k": 2,
+    "bw_gbytes": 0.02,
+    "limits": {"device": 30, "build": 30, "engine": 120},
+}
 
 
 # --- step 1: random-weight HF folders ---------------------------------------------------------
 
 
 def hf_config(shape: dict) -> dict:
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": None, "eos_token_id": 0,
-            "attention_bias": True, **shape}
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": 0,
+        "attention_bias": True,
+        **shape,
+    }
 
 
 def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
@@ -78,12 +128,20 @@ def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...], int]]:
     out = [("model.embed_tokens.weight", (V, H), H), ("model.norm.weight", (H,), 0)]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (H,), 0), (p + "post_attention_layernorm.weight", (H,), 0),
-                (p + "self_attn.q_proj.weight", (H, H), H), (p + "self_attn.q_proj.bias", (H,), H),
-                (p + "self_attn.k_proj.weight", (kv, H), H), (p + "self_attn.k_proj.bias", (kv,), H),
-                (p + "self_attn.v_proj.weight", (kv, H), H), (p + "self_attn.v_proj.bias", (kv,), H),
-                (p + "self_attn.o_proj.weight", (H, H), H), (p + "mlp.gate_proj.weight", (F, H), H),
-                (p + "mlp.up_proj.weight", (F, H), H), (p + "mlp.down_proj.weight", (H, F), F)]
+        out += [
+            (p + "input_layernorm.weight", (H,), 0),
+            (p + "post_attention_layernorm.weight", (H,), 0),
+            (p + "self_attn.q_proj.weight", (H, H), H),
+            (p + "self_attn.q_proj.bias", (H,), H),
+            (p + "self_attn.k_proj.weight", (kv, H), H),
+            (p + "self_attn.k_proj.bias", (kv,), H),
+            (p + "self_attn.v_proj.weight", (kv, H), H),
+            (p + "self_attn.v_proj.bias", (kv,), H),
+            (p + "self_attn.o_proj.weight", (H, H), H),
+            (p + "mlp.gate_proj.weight", (F, H), H),
+            (p + "mlp.up_proj.weight", (F, H), H),
+            (p + "mlp.down_proj.weight", (H, F), F),
+        ]
     return out
 
 
@@ -140,8 +198,10 @@ def step_device(cfg: dict, work: Path) -> dict:
     devs = jax.devices()
     n = int(cfg["bw_gbytes"] * 1e9 / 2) // 4096 * 4096
     x = jnp.ones((4096, n // 4096), jnp.bfloat16)
-    kernels = {"read (sum)": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), 1),
-               "read+write (copy)": (jax.jit(lambda a: a * jnp.bfloat16(1.5)), 2)}
+    kernels = {
+        "read (sum)": (jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), 1),
+        "read+write (copy)": (jax.jit(lambda a: a * jnp.bfloat16(1.5)), 2),
+    }
     bw = {}
     for name, (f, passes) in kernels.items():
         jax.block_until_ready(f(x))
@@ -152,8 +212,14 @@ def step_device(cfg: dict, work: Path) -> dict:
             best = min(best, time.perf_counter() - t)
         bw[name] = passes * n * 2 / best / 1e9
         print(f"{name}: {bw[name]:.0f} GB/s", flush=True)
-    return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in devs],
-            "device_kind": devs[0].device_kind, "probe_bytes": n * 2, "bandwidth_gb_s": bw}
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in devs],
+        "device_kind": devs[0].device_kind,
+        "probe_bytes": n * 2,
+        "bandwidth_gb_s": bw,
+    }
 
 
 # --- step 3: the engine loops -----------------------------------------------------------------
@@ -162,10 +228,32 @@ def step_device(cfg: dict, work: Path) -> dict:
 def _row(name: str, res, extra: dict) -> dict:
     m = res.metrics
     rounds = m.get("verify_steps") or 0
-    row = {"method": name, **extra, **{k: m.get(k) for k in (
-        "decode_tokens_per_s", "tokens_per_s", "ttft_s", "wall_s", "generated_tokens", "acceptance_rate",
-        "mean_acceptance_length", "verify_steps", "draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s",
-        "overlap_fraction", "cache_hit_rate", "compile_s", "calls_per_round")}}
+    row = {
+        "method": name,
+        **extra,
+        **{
+            k: m.get(k)
+            for k in (
+                "decode_tokens_per_s",
+                "tokens_per_s",
+                "ttft_s",
+                "wall_s",
+                "generated_tokens",
+                "acceptance_rate",
+                "mean_acceptance_length",
+                "verify_steps",
+                "draft_s",
+                "draft_exposed_s",
+                "verify_s",
+                "sample_s",
+                "overhead_s",
+                "overlap_fraction",
+                "cache_hit_rate",
+                "compile_s",
+                "calls_per_round",
+            )
+        },
+    }
     decode_s = m["wall_s"] - m["ttft_s"]
     if rounds:
         row["decode_s_per_round"] = decode_s / rounds
@@ -200,10 +288,15 @@ def step_engine(cfg: dict, work: Path) -> dict:
         # "auto" reads each round's tokens on the host before the lookup)
         ("ssd draft=target", SpecConfig(method="ssd", draft=target, k=K, backup="neural")),
         ("ssd draft=unrelated", SpecConfig(method="ssd", draft=draft, k=K, backup="neural")),
-        ("sd draft=unrelated, profiled stages", SpecConfig(method="sd", draft=draft, k=K, profile_stages=True)),
+        (
+            "sd draft=unrelated, profiled stages",
+            SpecConfig(method="sd", draft=draft, k=K, profile_stages=True),
+        ),
         # SSD's stages as separate calls on a timeline: build against verify
-        ("ssd draft=unrelated, profiled stages", SpecConfig(method="ssd", draft=draft, k=K, backup="neural",
-                                                             profile_stages=True)),
+        (
+            "ssd draft=unrelated, profiled stages",
+            SpecConfig(method="ssd", draft=draft, k=K, backup="neural", profile_stages=True),
+        ),
     ]
     ref = None
     for name, spec in methods:
@@ -214,11 +307,16 @@ def step_engine(cfg: dict, work: Path) -> dict:
         ref = ids if ref is None else ref
         for r in range(cfg["repeats"]):
             res = generate(target, [prompt], sp, spec)
-            row = _row(name, res, {"repeat": r, "k": K, "first_call_s": warm_s, "same_tokens_as_ar": ids == ref})
+            row = _row(
+                name, res, {"repeat": r, "k": K, "first_call_s": warm_s, "same_tokens_as_ar": ids == ref}
+            )
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{name} r{r}: {row['decode_tokens_per_s']:.1f} decode tok/s, acceptance "
-                  f"{row['acceptance_rate']}", flush=True)
+            print(
+                f"{name} r{r}: {row['decode_tokens_per_s']:.1f} decode tok/s, acceptance "
+                f"{row['acceptance_rate']}",
+                flush=True,
+            )
     return {"load_s": load_s, "prompt_len": P, "new_tokens": N}
 
 
@@ -233,15 +331,31 @@ def run_step(name: str, cfg: dict, work: Path, limit: float, log) -> dict:
     res_file = work / f"step_{name}.json"
     res_file.unlink(missing_ok=True)
     if name == "forward":
-        cmd = [sys.executable, "-m", "ssd_jax.perfmodel", "--measure", "qwen2.5-coder-1.5b-instruct",
-               "qwen2.5-coder-0.5b-instruct", "--dtype", "bfloat16", "--out", str(res_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ssd_jax.perfmodel",
+            "--measure",
+            "qwen2.5-coder-1.5b-instruct",
+            "qwen2.5-coder-0.5b-instruct",
+            "--dtype",
+            "bfloat16",
+            "--out",
+            str(res_file),
+        ]
     else:
         cmd = [sys.executable, __file__, "--step", name, "--cfg", json.dumps(cfg), "--work", str(work)]
     t = time.perf_counter()
     print(f"=== {name} (limit {limit:.0f} s)", file=log, flush=True)
     try:
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(1.0, limit), cwd=ROOT,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+        p = subprocess.run(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=max(1.0, limit),
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)},
+        )
         status = "ok" if p.returncode == 0 else f"failed (rc {p.returncode})"
     except subprocess.TimeoutExpired:
         status = f"timed out after {limit:.0f} s"
@@ -254,30 +368,48 @@ def run_step(name: str, cfg: dict, work: Path, limit: float, log) -> dict:
 
 def render(res: dict) -> str:
     dev = (res["steps"].get("device") or {}).get("result", {})
-    lines = [f"# GPU check ({'SMOKE, CPU, tiny shapes' if res['smoke'] else 'Qwen2.5-1.5B / 0.5B shapes, bf16'})", "",
-             f"**Status: {res['status']}.**", "",
-             f"Device: {dev.get('backend', '?')} {dev.get('device_kind', '?')}, jax {dev.get('jax', '?')}; "
-             f"total {res['total_s']:.0f} s of a {res['budget_s']:.0f} s budget.", "",
-             "| step | status | seconds |", "|---|---|---|"]
+    lines = [
+        f"# GPU check ({'SMOKE, CPU, tiny shapes' if res['smoke'] else 'Qwen2.5-1.5B / 0.5B shapes, bf16'})",
+        "",
+        f"**Status: {res['status']}.**",
+        "",
+        f"Device: {dev.get('backend', '?')} {dev.get('device_kind', '?')}, jax {dev.get('jax', '?')}; "
+        f"total {res['total_s']:.0f} s of a {res['budget_s']:.0f} s budget.",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+    ]
     lines += [f"| {k} | {v['status']} | {v['seconds']:.1f} |" for k, v in res["steps"].items()]
     if dev.get("bandwidth_gb_s"):
-        lines += ["", "Bandwidth probe (best of 7, "
-                  f"{dev['probe_bytes'] / 1e9:.2f} GB bf16): "
-                  + ", ".join(f"{k} {v:.0f} GB/s" for k, v in dev["bandwidth_gb_s"].items())]
+        lines += [
+            "",
+            "Bandwidth probe (best of 7, "
+            f"{dev['probe_bytes'] / 1e9:.2f} GB bf16): "
+            + ", ".join(f"{k} {v:.0f} GB/s" for k, v in dev["bandwidth_gb_s"].items()),
+        ]
     if res["engine_rows"]:
         f = lambda x, p=3: "-" if x is None else (f"{x:.{p}f}" if isinstance(x, float) else str(x))
-        lines += ["", "| method | repeat | decode tok/s | e2e tok/s | ttft s | acceptance | tokens/round "
-                  "| decode s/round | draft (SSD: build) s/round | verify s/round | host s/round | same tokens as AR "
-                  "| first call s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| method | repeat | decode tok/s | e2e tok/s | ttft s | acceptance | tokens/round "
+            "| decode s/round | draft (SSD: build) s/round | verify s/round | host s/round | same tokens as AR "
+            "| first call s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["engine_rows"]:
-            lines.append(f"| {r['method']} | {r['repeat']} | {f(r['decode_tokens_per_s'], 1)} | {f(r['tokens_per_s'], 1)} "
-                         f"| {f(r['ttft_s'])} | {f(r['acceptance_rate'], 2)} | {f(r['mean_acceptance_length'], 2)} "
-                         f"| {f(r.get('decode_s_per_round'), 4)} | {f(r.get('draft_s_per_round'), 4)} "
-                         f"| {f(r.get('verify_s_per_round'), 4)} | {f(r.get('overhead_s_per_round'), 4)} "
-                         f"| {r['same_tokens_as_ar']} | {f(r['first_call_s'], 1)} |")
-        lines += ["", "host s/round: wall time of the decode minus the measured device stages (SD with profiled "
-                  "stages; SSD from its device-lane timeline); '-' where the loop does not split it. AR rows: "
-                  "decode s/token = 1 / decode tok/s."]
+            lines.append(
+                f"| {r['method']} | {r['repeat']} | {f(r['decode_tokens_per_s'], 1)} | {f(r['tokens_per_s'], 1)} "
+                f"| {f(r['ttft_s'])} | {f(r['acceptance_rate'], 2)} | {f(r['mean_acceptance_length'], 2)} "
+                f"| {f(r.get('decode_s_per_round'), 4)} | {f(r.get('draft_s_per_round'), 4)} "
+                f"| {f(r.get('verify_s_per_round'), 4)} | {f(r.get('overhead_s_per_round'), 4)} "
+                f"| {r['same_tokens_as_ar']} | {f(r['first_call_s'], 1)} |"
+            )
+        lines += [
+            "",
+            "host s/round: wall time of the decode minus the measured device stages (SD with profiled "
+            "stages; SSD from its device-lane timeline); '-' where the loop does not split it. AR rows: "
+            "decode s/token = 1 / decode tok/s.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -285,7 +417,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: the same code path in seconds")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "experiments" / "results" / "gpu"))
-    ap.add_argument("--work", default=None, help="where the model folders go (default: a temp dir; not under --out)")
+    ap.add_argument(
+        "--work", default=None, help="where the model folders go (default: a temp dir; not under --out)"
+    )
     ap.add_argument("--budget-s", type=float, default=450.0)
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
@@ -306,7 +440,9 @@ def main(argv=None) -> int:
     (work / "engine_rows.jsonl").unlink(missing_ok=True)
     if a.smoke:  # one plain CPU device, whatever the caller's (e.g. the test suite's 8 fake devices)
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        os.environ["XLA_FLAGS"] = (
+            "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+        )
     steps = {}
     with open(out / "gpu_check.log", "w") as log:
         for name, limit in cfg["limits"].items():
@@ -319,7 +455,11 @@ def main(argv=None) -> int:
                 continue
             steps[name] = run_step(name, cfg, work, min(limit, left), log)
     rows_file = work / "engine_rows.jsonl"
-    rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()] if rows_file.is_file() else []
+    rows = (
+        [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()]
+        if rows_file.is_file()
+        else []
+    )
     if not a.work:  # the model folders (GBs) in a temp dir of our own
         import shutil
 
@@ -331,9 +471,15 @@ def main(argv=None) -> int:
         status = f"ran on {dev['backend']} ({dev.get('device_kind')})"
     else:
         status = STATUS + f"; this run's backend: {dev.get('backend')}"
-    res = {"status": status,
-           "smoke": a.smoke, "config": cfg, "budget_s": a.budget_s, "total_s": time.perf_counter() - t0,
-           "steps": steps, "engine_rows": rows}
+    res = {
+        "status": status,
+        "smoke": a.smoke,
+        "config": cfg,
+        "budget_s": a.budget_s,
+        "total_s": time.perf_counter() - t0,
+        "steps": steps,
+        "engine_rows": rows,
+    }
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
     (out / "gpu_check.md").write_text(render(res))
     print(render(res))

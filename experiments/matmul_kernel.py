@@ -58,15 +58,27 @@ def baseline_kernel(rev: str):
     tmp = Path(tempfile.mkdtemp(prefix="kernel_baseline_"))
     for f in (*kernels.SOURCES, *kernels.HEADERS):
         rel = f.relative_to(ROOT).as_posix()
-        src = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True)
+        src = subprocess.run(
+            ["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         (tmp / f.name).write_text(src.stdout)
     lib = tmp / "libbaseline.so"
-    cmd = [kernels.compiler(), *kernels.FLAG_SETS[0], *kernels.BASE_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{tmp}",
-           *(str(tmp / f.name) for f in kernels.SOURCES), "-o", str(lib)]
+    cmd = [
+        kernels.compiler(),
+        *kernels.FLAG_SETS[0],
+        *kernels.BASE_FLAGS,
+        f"-I{jax.ffi.include_dir()}",
+        f"-I{tmp}",
+        *(str(tmp / f.name) for f in kernels.SOURCES),
+        "-o",
+        str(lib),
+    ]
     subprocess.run(cmd, check=True)
     handle = ctypes.CDLL(str(lib))
     for target, symbol in ((kernels.TARGET, kernels.SYMBOL), (kernels.TARGET_BF16, kernels.SYMBOL_BF16)):
-        jax.ffi.register_ffi_target(f"{target}_baseline", jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(
+            f"{target}_baseline", jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu"
+        )
 
     def mm(x, w):
         target = kernels.TARGET_BF16 if w.dtype == jnp.bfloat16 else kernels.TARGET
@@ -80,11 +92,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5], help="row counts (1 and 5 give the ratios)")
+    ap.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 5], help="row counts (1 and 5 give the ratios)"
+    )
     ap.add_argument("--roles", nargs="+", help="only these roles (q/o, k/v, gate/up, down, lm_head)")
-    ap.add_argument("--head-rows", type=int, default=None, help="lm_head rows (e.g. 32768: a trimmed draft head)")
-    ap.add_argument("--weight-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                    help="dtypes W is stored in (x and y stay float32)")
+    ap.add_argument(
+        "--head-rows", type=int, default=None, help="lm_head rows (e.g. 32768: a trimmed draft head)"
+    )
+    ap.add_argument(
+        "--weight-dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="dtypes W is stored in (x and y stay float32)",
+    )
     ap.add_argument("--baseline", metavar="REV", help="also time the kernel sources of this git revision")
     a = ap.parse_args()
 
@@ -95,6 +116,7 @@ def main() -> None:
     from ssd_jax.models import kernels
 
     assert kernels.available(), "the kernel did not build"
+
     def xla(x, w):
         return jnp.einsum("mi,oi->mo", x, w, preferred_element_type=jnp.float32)
 
@@ -117,14 +139,24 @@ def main() -> None:
                 n = a.head_rows
             # per dtype, L copies of about TOTAL_BYTES in all: the weights stream from memory
             size = {dt: jnp.dtype(dt).itemsize for dt in a.weight_dtypes}
-            L = {dt: int(max(1, min(256 * 4 // size[dt], TOTAL_BYTES // (n * k * size[dt])))) for dt in a.weight_dtypes}
-            wsets = {dt: [jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)).astype(dt) for _ in range(L[dt])]
-                     for dt in a.weight_dtypes}
+            L = {
+                dt: int(max(1, min(256 * 4 // size[dt], TOTAL_BYTES // (n * k * size[dt]))))
+                for dt in a.weight_dtypes
+            }
+            wsets = {
+                dt: [
+                    jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)).astype(dt)
+                    for _ in range(L[dt])
+                ]
+                for dt in a.weight_dtypes
+            }
             xs = {m: jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)) for m in rows}
             fns = {}
             for name, (dt, mm) in impls.items():
+
                 def run(x, ws, mm=mm):  # separate outputs: a sum would let XLA fuse its M = 1 dots badly
                     return [mm(x, w) for w in ws]
+
                 fns[name] = (dt, jax.jit(run))
             for dt, f in fns.values():
                 for x in xs.values():
@@ -138,21 +170,40 @@ def main() -> None:
                         jax.block_until_ready(f(x, wsets[dt]))
                         t[(name, m)].append((time.perf_counter() - t0) / L[dt])
             med = {f"{name} M={m}": float(np.median(v)) for (name, m), v in t.items()}
-            row = {"model": model, "role": role, "shape": [n, k], "copies": L, "median_s": med,
-                   "load": [load0, os.getloadavg()[0]], "weight_dtypes": a.weight_dtypes}
+            row = {
+                "model": model,
+                "role": role,
+                "shape": [n, k],
+                "copies": L,
+                "median_s": med,
+                "load": [load0, os.getloadavg()[0]],
+                "weight_dtypes": a.weight_dtypes,
+            }
             out.append(row)
             ratios = ""
             if {1, 5} <= set(rows) and "xla M=1" in med:
                 e1 = med["xla M=1"]
-                ratios = (f" | xla5/xla1 {med['xla M=5'] / e1:.2f}  kernel5/xla1 {med['kernel M=5'] / e1:.2f}"
-                          f"  kernel5/kernel1 {med['kernel M=5'] / med['kernel M=1']:.2f}"
-                          f"  kernel1/xla1 {med['kernel M=1'] / e1:.2f}")
-            print(f"{model} {role} {n}x{k} (L={L}, load {load0:.2f}->{row['load'][1]:.2f}): "
-                  + "  ".join(f"{c} {v * 1e3:.3f} ms" for c, v in med.items()) + ratios, flush=True)
+                ratios = (
+                    f" | xla5/xla1 {med['xla M=5'] / e1:.2f}  kernel5/xla1 {med['kernel M=5'] / e1:.2f}"
+                    f"  kernel5/kernel1 {med['kernel M=5'] / med['kernel M=1']:.2f}"
+                    f"  kernel1/xla1 {med['kernel M=1'] / e1:.2f}"
+                )
+            print(
+                f"{model} {role} {n}x{k} (L={L}, load {load0:.2f}->{row['load'][1]:.2f}): "
+                + "  ".join(f"{c} {v * 1e3:.3f} ms" for c, v in med.items())
+                + ratios,
+                flush=True,
+            )
             del wsets
-    rec = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "jax": jax.__version__,
-           "reps": a.reps, "row_counts": list(rows), "rows": out, "baseline": a.baseline,
-           "kernel_build": kernels.build_id()}
+    rec = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "jax": jax.__version__,
+        "reps": a.reps,
+        "row_counts": list(rows),
+        "rows": out,
+        "baseline": a.baseline,
+        "kernel_build": kernels.build_id(),
+    }
     with open(ROOT / "experiments" / "results" / "matmul_kernel_cpu.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 

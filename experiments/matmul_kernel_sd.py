@@ -32,8 +32,12 @@ def without_kernel(model):
     from ssd_jax.models import forms as F
 
     fm = model.cfg.forms
-    off = {r: F.Form(getattr(fm, r).layout, tuple("right" if o == "kernel" else o for o in getattr(fm, r).orders))
-           for r in F.ROLES}
+    off = {
+        r: F.Form(
+            getattr(fm, r).layout, tuple("right" if o == "kernel" else o for o in getattr(fm, r).orders)
+        )
+        for r in F.ROLES
+    }
     return dataclasses.replace(model, cfg=model.cfg.replace(forms=F.Forms(**off)))
 
 
@@ -54,14 +58,21 @@ def main() -> None:
     assert "kernel" in target.cfg.forms.q.orders, "the CPU table does not name the kernel"
     models = {"on": (target, draft), "off": (without_kernel(target), without_kernel(draft))}
     half = (a.prompts + 1) // 2
-    ps = (load_prompts("code", half, seed=0, max_chars=400) + load_prompts("chat", a.prompts - half, seed=0,
-                                                                          max_chars=400))[: a.prompts]
+    ps = (
+        load_prompts("code", half, seed=0, max_chars=400)
+        + load_prompts("chat", a.prompts - half, seed=0, max_chars=400)
+    )[: a.prompts]
     sp = SamplingParams(max_new_tokens=a.tokens, ignore_eos=True)
     runs = [(meth, kern) for meth in ("ar", "sd") for kern in ("off", "on")]
     for meth, kern in runs:  # compile / warm every program once
         t, d = models[kern]
-        generate(t, [ps[0]["prompt"]], SamplingParams(max_new_tokens=8, ignore_eos=True),
-                 SpecConfig(method="sd", draft=d, k=a.k) if meth == "sd" else None, chat=True)
+        generate(
+            t,
+            [ps[0]["prompt"]],
+            SamplingParams(max_new_tokens=8, ignore_eos=True),
+            SpecConfig(method="sd", draft=d, k=a.k) if meth == "sd" else None,
+            chat=True,
+        )
     rows, loads = [], [os.getloadavg()[0]]
     for r in range(a.reps):
         for i, p in enumerate(ps):
@@ -69,8 +80,13 @@ def main() -> None:
             row, toks = {"prompt": p["id"], "rep": r}, {}
             for meth, kern in runs[j:] + runs[:j]:
                 t, d = models[kern]
-                res = generate(t, [p["prompt"]], sp, SpecConfig(method="sd", draft=d, k=a.k) if meth == "sd" else None,
-                               chat=True)
+                res = generate(
+                    t,
+                    [p["prompt"]],
+                    sp,
+                    SpecConfig(method="sd", draft=d, k=a.k) if meth == "sd" else None,
+                    chat=True,
+                )
                 row[f"{meth}_{kern}"] = res.metrics["decode_tokens_per_s"]
                 toks[(meth, kern)] = res.outputs[0]["token_ids"]
             row["same_tokens"] = len({tuple(v) for v in toks.values()}) == 1
@@ -85,13 +101,26 @@ def main() -> None:
         "sd_on/sd_off": float(np.median([x["sd_on"] / x["sd_off"] for x in rows])),
         "ar_on/ar_off": float(np.median([x["ar_on"] / x["ar_off"] for x in rows])),
     }
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": TARGET,
-           "draft": "checkpoints/smollm2-135m-draft", "k": a.k, "tokens": a.tokens, "reps": a.reps,
-           "median_decode_tok_s": med, "median_paired_ratios": ratios, "load": [min(loads), max(loads)],
-           "all_same_tokens": all(x["same_tokens"] for x in rows), "rows": rows}
+    out = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": TARGET,
+        "draft": "checkpoints/smollm2-135m-draft",
+        "k": a.k,
+        "tokens": a.tokens,
+        "reps": a.reps,
+        "median_decode_tok_s": med,
+        "median_paired_ratios": ratios,
+        "load": [min(loads), max(loads)],
+        "all_same_tokens": all(x["same_tokens"] for x in rows),
+        "rows": rows,
+    }
     with open(ROOT / "experiments" / "results" / "matmul_kernel_sd.jsonl", "a") as f:
         f.write(json.dumps(out) + "\n")
-    print(json.dumps({k: out[k] for k in ("median_decode_tok_s", "median_paired_ratios", "load", "all_same_tokens")}))
+    print(
+        json.dumps(
+            {k: out[k] for k in ("median_decode_tok_s", "median_paired_ratios", "load", "all_same_tokens")}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,10 @@ def prompts(n: int) -> list[dict]:
     from ssd_jax.data import load_prompts
 
     half = (n + 1) // 2
-    return (load_prompts("code", half, seed=0, max_chars=400) + load_prompts("chat", n - half, seed=0, max_chars=400))[:n]
+    return (
+        load_prompts("code", half, seed=0, max_chars=400)
+        + load_prompts("chat", n - half, seed=0, max_chars=400)
+    )[:n]
 
 
 def main(argv=None) -> int:
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     rows = []
     ps = prompts(args.prompts)
     for i, p in enumerate(ps):
-        order = args.ns[i % len(args.ns):] + args.ns[: i % len(args.ns)]
+        order = args.ns[i % len(args.ns) :] + args.ns[: i % len(args.ns)]
         ref = None
         for n in order:
             row = {"prompt": p["id"], "category": p["category"], "n": n}
@@ -91,27 +94,48 @@ def main(argv=None) -> int:
                 ref = toks if ref is None else ref
                 row["same_tokens"] = row.get("same_tokens", True) and toks == ref
                 if profile:
-                    row.update(acceptance=m["acceptance_rate"], tokens_per_round=m["mean_acceptance_length"],
-                               rounds=m["verify_steps"], draft_s=m["draft_s"], verify_s=m["verify_s"],
-                               draft_ms_per_step=1e3 * m["draft_s"] / (m["verify_steps"] * args.k),
-                               verify_ms_per_round=1e3 * m["verify_s"] / m["verify_steps"],
-                               coverage=float(np.isin(toks, kept[n]).mean()))
+                    row.update(
+                        acceptance=m["acceptance_rate"],
+                        tokens_per_round=m["mean_acceptance_length"],
+                        rounds=m["verify_steps"],
+                        draft_s=m["draft_s"],
+                        verify_s=m["verify_s"],
+                        draft_ms_per_step=1e3 * m["draft_s"] / (m["verify_steps"] * args.k),
+                        verify_ms_per_round=1e3 * m["verify_s"] / m["verify_steps"],
+                        coverage=float(np.isin(toks, kept[n]).mean()),
+                    )
                 else:
                     row["decode_tok_s"] = m["decode_tokens_per_s"]
             row["loadavg"] = os.getloadavg()[0]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    env = {"jax": jax.__version__, "backend": jax.default_backend(), "loadavg_before": load_before,
-           "loadavg_after": os.getloadavg(), "target": TARGET, "draft": "checkpoints/smollm2-135m-draft", "k": args.k,
-           "new_tokens": args.tokens, "prompts": [p["id"] for p in ps], "vocab": V,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip()}
+    env = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "target": TARGET,
+        "draft": "checkpoints/smollm2-135m-draft",
+        "k": args.k,
+        "new_tokens": args.tokens,
+        "prompts": [p["id"] for p in ps],
+        "vocab": V,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+    }
     summary = []
     for n in args.ns:
         r = [x for x in rows if x["n"] == n]
         s = {"n": n, "head_share_of_draft_bytes": head_share(full, n)}
-        for key in ("acceptance", "tokens_per_round", "draft_ms_per_step", "verify_ms_per_round", "decode_tok_s",
-                    "coverage"):
+        for key in (
+            "acceptance",
+            "tokens_per_round",
+            "draft_ms_per_step",
+            "verify_ms_per_round",
+            "decode_tok_s",
+            "coverage",
+        ):
             s[key] = ci95([x[key] for x in r])
         s["draft_call_ms"] = ci95(micro[n])
         full_n = max(args.ns)  # paired by round: robust to the load drifting between rounds
@@ -125,7 +149,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def draft_call_ms(drafts: dict, k: int, vocab: int, reps: int = 10, calls: int = 10) -> dict[int, list[float]]:
+def draft_call_ms(
+    drafts: dict, k: int, vocab: int, reps: int = 10, calls: int = 10
+) -> dict[int, list[float]]:
     """ms per draft step of the real draft call (``drafters.model.draft_propose``: K greedy steps
     with sampling and q, batch 1, context 64), measured alone: ``reps`` rounds over every N in turn,
     ``calls`` calls each; one mean per round."""
@@ -143,7 +169,9 @@ def draft_call_ms(drafts: dict, k: int, vocab: int, reps: int = 10, calls: int =
     key, tok = jax.random.PRNGKey(0), jnp.zeros((1,), jnp.int32)
     progs = {}
     for n, m in drafts.items():
-        fn = jax.jit(functools.partial(draft_propose, cfg=m.cfg, k=k, vocab=vocab, needs_filter=False, catch_up=False))
+        fn = jax.jit(
+            functools.partial(draft_propose, cfg=m.cfg, k=k, vocab=vocab, needs_filter=False, catch_up=False)
+        )
         cache = llama.init_cache(m.cfg, 1, 128).with_lengths(jnp.full((1,), 64, jnp.int32))
         jax.block_until_ready(fn(m.params, cache, tok, tok, key, rs))
         progs[n] = (fn, m.params, cache)
@@ -187,7 +215,7 @@ def render(out: dict) -> str:
         "",
         "Draft call ms/step (alone): the real draft call (`drafters.model.draft_propose`, K greedy steps with "
         "sampling and q, context 64) timed on its own, 10 rounds over every N in turn x 10 calls, divided by K "
-        "(interval over the 10 rounds); \"vs largest N\": the same, as a ratio to the largest N within each round. Draft ms/step (in SD): the profiled SD run's draft stage (K steps, one "
+        '(interval over the 10 rounds); "vs largest N": the same, as a ratio to the largest N within each round. Draft ms/step (in SD): the profiled SD run\'s draft stage (K steps, one '
         "sync) divided by K (interval over prompts). The kept set: the N most "
         "frequent tokens of 16M characters of the training corpus, special tokens always in. Coverage: share "
         "of the emitted (= AR) tokens inside the kept set.",

@@ -1,9 +1,9 @@
 """ssd_jax: fast, exact LLM decoding by speculation (AR, SD and SSD/Saguaro) in JAX.
 
-    from ssd_jax import load_model, generate, SamplingParams, SpecConfig
-    model = load_model("qwen2.5-coder-1.5b-instruct")
-    res = generate(model, ["def fib(n):"], SamplingParams(max_new_tokens=32))
-    print(res.outputs[0]["text"], res.metrics["tokens_per_s"])
+from ssd_jax import load_model, generate, SamplingParams, SpecConfig
+model = load_model("qwen2.5-coder-1.5b-instruct")
+res = generate(model, ["def fib(n):"], SamplingParams(max_new_tokens=32))
+print(res.outputs[0]["text"], res.metrics["tokens_per_s"])
 """
 
 from ssd_jax import xla_env  # noqa: F401  (first: XLA_FLAGS must be set before a backend starts)

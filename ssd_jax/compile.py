@@ -23,7 +23,6 @@ def _leaf_key(x):
     return (type(x), x)
 
 
-
 class Compiled:
     """A jitted function compiled ahead of time once per argument signature."""
 
@@ -68,4 +67,3 @@ class Compiled:
             exe = self._exe[key]
         self._last = exe
         return exe(*args)
-

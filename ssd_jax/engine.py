@@ -59,7 +59,9 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
-    if spec.draft_dtype is not None:  # validate() refused it for ar / ngram / random; before trimming (cast once)
+    if (
+        spec.draft_dtype is not None
+    ):  # validate() refused it for ar / ngram / random; before trimming (cast once)
         from ssd_jax.loading.loaded import with_weight_dtype
 
         draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
@@ -98,4 +100,3 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return res
-

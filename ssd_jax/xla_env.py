@@ -58,7 +58,11 @@ def apply() -> bool:
     flags = os.environ.get("XLA_FLAGS", "")
     if SCHEDULER_FLAG in flags:
         return f"--{SCHEDULER_FLAG}=false" in flags
-    if os.environ.get("SSD_JAX_XLA_DEFAULTS", "1") == "0" or _backend_started() or not _xla_knows(SCHEDULER_FLAG):
+    if (
+        os.environ.get("SSD_JAX_XLA_DEFAULTS", "1") == "0"
+        or _backend_started()
+        or not _xla_knows(SCHEDULER_FLAG)
+    ):
         return False
     os.environ["XLA_FLAGS"] = f"{flags} --{SCHEDULER_FLAG}=false".strip()
     return True

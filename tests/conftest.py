@@ -10,7 +10,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile
 
     _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"ssd_jax-test-jit-cache-{_run}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"ssd_jax-test-jit-cache-{_run}"
+    )
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest  # noqa: E402
@@ -38,7 +40,11 @@ def _save_tiny(kind: str, path):
         extra = dict(tie_word_embeddings=True, eos_token_id=1)
         if kind == "llama3":
             extra["rope_parameters"] = dict(
-                rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                rope_type="llama3",
+                rope_theta=5e5,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
                 original_max_position_embeddings=64,
             )
         hf = LlamaConfig(**TINY, **extra)
@@ -87,7 +93,9 @@ def tiny_llama_draft_path(tmp_path_factory, tiny_llama_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 1}, tie_word_embeddings=True, eos_token_id=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(**{**TINY, "num_hidden_layers": 1}, tie_word_embeddings=True, eos_token_id=1)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.15)
@@ -122,4 +130,6 @@ def small_pair():
     weight directions, so they agree often but not always (acceptance well inside (0, 1))."""
     from test_sd import V_SMALL, tiny_model
 
-    return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(3, vocab=V_SMALL, scale=0.2, layers=1)
+    return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(
+        3, vocab=V_SMALL, scale=0.2, layers=1
+    )

@@ -58,7 +58,9 @@ def _rope(x_TxNxh, inv):
 def np_logits(model: LoadedModel, ids) -> np.ndarray:
     """(T, V) float64 logits of one sequence: position t predicts token t + 1. Full context, causal."""
     cfg = model.cfg.replace(forms=CANONICAL)  # the reference reads weights in the checkpoint layout
-    P = unflatten(cfg, {n: to_layout(model.cfg, cfg, n, np.asarray(w)) for n, w in flatten(model.params).items()})
+    P = unflatten(
+        cfg, {n: to_layout(model.cfg, cfg, n, np.asarray(w)) for n, w in flatten(model.params).items()}
+    )
     if cfg.rope_scaling is not None:
         raise NotImplementedError("the reference covers the tiny test models (no RoPE scaling)")
     ids = np.asarray(ids, np.int64)
@@ -90,7 +92,9 @@ def np_logits(model: LoadedModel, ids) -> np.ndarray:
     return x @ _np(w).T
 
 
-def filtered_probs(logits_NxV: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def filtered_probs(
+    logits_NxV: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> np.ndarray:
     """The distribution sampled from (HF / vLLM conventions: top-k, then top-p on the renormalised rest;
     a token is kept while the mass strictly before it is < top_p)."""
     x = np.asarray(logits_NxV, np.float64) / temperature
@@ -115,7 +119,7 @@ def greedy_continuation(model: LoadedModel, prefix, n: int) -> list[int]:
     seq = list(prefix)
     for _ in range(n):
         seq.append(int(np.argmax(np_logits(model, seq)[-1])))
-    return seq[len(prefix):]
+    return seq[len(prefix) :]
 
 
 # --------------------------------------------------------------------------- test models
@@ -134,8 +138,12 @@ def noisy_copy(model: LoadedModel, sigma: float, seed: int, name: str | None = N
         return jnp.asarray(np.asarray(w) + sigma * rng.standard_normal(w.shape).astype(np.float32), w.dtype)
 
     params = jax.tree_util.tree_map_with_path(perturb, model.params)
-    return dataclasses.replace(model, name=name or f"{model.name}+noise{sigma}", params=params,
-                               weights_sha256=f"{model.weights_sha256}+noise{sigma}/{seed}")
+    return dataclasses.replace(
+        model,
+        name=name or f"{model.name}+noise{sigma}",
+        params=params,
+        weights_sha256=f"{model.weights_sha256}+noise{sigma}/{seed}",
+    )
 
 
 # --------------------------------------------------------------------------- goodness of fit
@@ -185,7 +193,7 @@ def collect(target: LoadedModel, prompts, outputs, k: int, sampling) -> Emission
     for i, o in enumerate(outputs):
         prompt = list(prompts[i // n])
         gen = list(o["token_ids"])
-        lg = np_logits(target, prompt + gen[:-1])[len(prompt) - 1:]
+        lg = np_logits(target, prompt + gen[:-1])[len(prompt) - 1 :]
         probs.append(filtered_probs(lg, sampling.temperature, sampling.top_k, sampling.top_p))
         toks.append(gen)
         off = [-1]  # the first token comes from the prefill
@@ -246,8 +254,10 @@ class FitReport:
             return f"chi2 p={ps[0]:.2g} KS p={ps[1]:.2g}"
 
         st = "; ".join(f"{o}: n={c} {f(ps)}" for o, (c, ps) in sorted(self.strata.items()))
-        return (f"n={self.n} pooled {f(self.pooled)}; strata {st}; outside support {self.outside_support}; "
-                f"alpha {self.alpha:g} over {len(self.pvalues)} tests")
+        return (
+            f"n={self.n} pooled {f(self.pooled)}; strata {st}; outside support {self.outside_support}; "
+            f"alpha {self.alpha:g} over {len(self.pvalues)} tests"
+        )
 
 
 #: family-wise significance level of each goodness-of-fit test (Bonferroni over its strata and both tests)

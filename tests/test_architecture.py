@@ -18,9 +18,13 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "ssd_jax"
 
 LAYERS = {
-    "errors": 0, "compile": 0, "xla_env": 0,
+    "errors": 0,
+    "compile": 0,
+    "xla_env": 0,
     "models": 1,
-    "loading": 2, "parallel": 2, "data": 2,
+    "loading": 2,
+    "parallel": 2,
+    "data": 2,
     "sampling": 3,
     "drafters": 4,
     "analysis": 5,
@@ -28,11 +32,21 @@ LAYERS = {
     "engine": 7,
     "training": 8,
     "bench": 9,
-    "cli": 10, "serve": 10,
+    "cli": 10,
+    "serve": 10,
 }
 #: ``python -m ssd_jax.<name>`` entry points kept at their old paths: each only imports its CLI
-SHIMS = {"ssd_jax.decode", "ssd_jax.launch", "ssd_jax.train", "ssd_jax.sdsl", "ssd_jax.perf", "ssd_jax.perfmodel",
-         "ssd_jax.__main__", "ssd_jax.bench.__main__", "ssd_jax.data.__main__"}
+SHIMS = {
+    "ssd_jax.decode",
+    "ssd_jax.launch",
+    "ssd_jax.train",
+    "ssd_jax.sdsl",
+    "ssd_jax.perf",
+    "ssd_jax.perfmodel",
+    "ssd_jax.__main__",
+    "ssd_jax.bench.__main__",
+    "ssd_jax.data.__main__",
+}
 MAX_LINES = 600
 
 
@@ -99,12 +113,16 @@ def test_imports_point_down_and_never_at_privates_or_the_face():
             tgt = _target(imported)
             if tgt == mod:
                 continue
-            if tgt == "ssd_jax" and _layer(mod) < LAYERS["bench"]:  # bench and cli are clients of the public API
+            if (
+                tgt == "ssd_jax" and _layer(mod) < LAYERS["bench"]
+            ):  # bench and cli are clients of the public API
                 wrong.append(f"{mod} imports the package face ssd_jax")
                 continue
             if tgt != "ssd_jax" and _layer(tgt) is not None and _layer(tgt) > _layer(mod):
                 wrong.append(f"{mod} (layer {_layer(mod)}) imports {tgt} (layer {_layer(tgt)})")
-            wrong += [f"{mod} imports private {tgt}.{n}" for n in names if n.startswith("_") and n != "__version__"]
+            wrong += [
+                f"{mod} imports private {tgt}.{n}" for n in names if n.startswith("_") and n != "__version__"
+            ]
     assert wrong == []
 
 
@@ -117,7 +135,7 @@ def test_no_import_cycles():
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycles.append(path[path.index(n):] + [n])
+                cycles.append(path[path.index(n) :] + [n])
             elif n not in state:
                 visit(n, path + [n])
         state[m] = 2
@@ -129,5 +147,9 @@ def test_no_import_cycles():
 
 
 def test_no_file_over_the_limit():
-    big = {str(p.relative_to(PKG.parent)): n for p in MODS.values() if (n := sum(1 for _ in p.open())) > MAX_LINES}
+    big = {
+        str(p.relative_to(PKG.parent)): n
+        for p in MODS.values()
+        if (n := sum(1 for _ in p.open())) > MAX_LINES
+    }
     assert big == {}

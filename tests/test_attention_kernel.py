@@ -36,13 +36,16 @@ def _close(a, b, tol=2e-6):
     assert np.max(np.abs(a - b)) <= tol * max(1.0, np.max(np.abs(b))), np.max(np.abs(a - b))
 
 
-@pytest.mark.parametrize("B,T,KVH,G,hd,S", [
-    (1, 1, 2, 6, 128, 512),   # Qwen 1.5B decode
-    (1, 9, 2, 7, 64, 200),    # Qwen 0.5B, a K = 8 verify
-    (3, 5, 3, 3, 64, 96),     # SmolLM2-like heads, a batch
-    (2, 4, 1, 1, 24, 37),     # head size not a multiple of 16, one head
-    (2, 16, 2, 2, 16, 20),    # a 16-token tree block
-])
+@pytest.mark.parametrize(
+    "B,T,KVH,G,hd,S",
+    [
+        (1, 1, 2, 6, 128, 512),  # Qwen 1.5B decode
+        (1, 9, 2, 7, 64, 200),  # Qwen 0.5B, a K = 8 verify
+        (3, 5, 3, 3, 64, 96),  # SmolLM2-like heads, a batch
+        (2, 4, 1, 1, 24, 37),  # head size not a multiple of 16, one head
+        (2, 16, 2, 2, 16, 20),  # a 16-token tree block
+    ],
+)
 def test_attention_kernel_equals_the_reference(B, T, KVH, G, hd, S):
     q, k, v, mask = _case(B, T, KVH, G, hd, S, seed=B * 100 + T)
     scale = 1 / math.sqrt(hd)
@@ -68,8 +71,10 @@ def test_attention_kernel_under_vmap_and_grad():
     q, k, v, mask = _case(2, 3, 2, 2, 32, 24, seed=3)
     f = lambda q, k, v: kernels.attention(q, k, v, mask, 0.2)
     r = lambda q, k, v: kernels.attention_reference(q, k, v, mask, 0.2)
-    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))))
-    for gk, gr in zip(jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(r), argnums=(0, 1, 2))(q, k, v)):
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    for gk, gr in zip(
+        jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v), jax.grad(loss(r), argnums=(0, 1, 2))(q, k, v)
+    ):
         _close(gk, gr, tol=1e-5)
     qs = jnp.stack([q, q * 0.5])
     _close(jax.vmap(lambda q: f(q, k, v))(qs), jax.vmap(lambda q: r(q, k, v))(qs))
@@ -112,8 +117,11 @@ def test_model_logits_with_the_kernel_match_the_einsums(T, monkeypatch):
     cache = llama.init_cache(m.cfg, 2, 40).with_lengths(jnp.asarray([3, 11], jnp.int32))
 
     def run():  # a fresh function each time: traced under the current routing
-        return np.asarray(jax.jit(lambda p, t, c: llama.logits(p, m.cfg, llama.forward(p, m.cfg, t, c)[0]))(
-            m.params, tokens, cache))
+        return np.asarray(
+            jax.jit(lambda p, t, c: llama.logits(p, m.cfg, llama.forward(p, m.cfg, t, c)[0]))(
+                m.params, tokens, cache
+            )
+        )
 
     with_kernel = run()
     monkeypatch.setattr(kernels, "attention_usable", lambda *a: False)

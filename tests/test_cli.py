@@ -27,8 +27,18 @@ def assert_one_line_error(r, needle):
 
 
 def test_json_contract_on_tiny_model(tiny_llama_path):
-    r = run_cli("--target", tiny_llama_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8",
-                "--max-new-tokens", "6", "--ignore-eos", "--json")
+    r = run_cli(
+        "--target",
+        tiny_llama_path,
+        "--prompt-ids",
+        "1,2,3",
+        "--prompt-ids",
+        "4,5,6,7,8",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)  # exactly one JSON object on stdout
     assert d["method"] == "ar"
@@ -42,7 +52,9 @@ def test_prompts_file_jsonl_and_lines(tiny_llama_path, tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "hi"}\n{not json\n')
     assert_one_line_error(run_cli("--target", tiny_llama_path, "--prompts-file", str(bad)), "invalid JSON")
-    assert_one_line_error(run_cli("--target", tiny_llama_path, "--prompts-file", str(tmp_path / "nope")), "not found")
+    assert_one_line_error(
+        run_cli("--target", tiny_llama_path, "--prompts-file", str(tmp_path / "nope")), "not found"
+    )
 
 
 @pytest.mark.parametrize(
@@ -66,7 +78,9 @@ def test_bad_flags(args, needle):
 
 def test_unknown_model_and_bad_files(tmp_path):
     assert_one_line_error(run_cli("--target", "no-such-model-xyz", "--prompt", "hi"), "unknown model")
-    assert_one_line_error(run_cli("--target", str(tmp_path / "missing.gguf"), "--prompt", "hi"), "missing.gguf")
+    assert_one_line_error(
+        run_cli("--target", str(tmp_path / "missing.gguf"), "--prompt", "hi"), "missing.gguf"
+    )
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUF" + os.urandom(256))
     assert_one_line_error(run_cli("--target", str(junk), "--prompt", "hi"), "junk.gguf")
@@ -89,8 +103,18 @@ def test_default_run_and_contract_on_smollm():
 @pytest.mark.realmodel
 def test_sd_with_an_unverifiable_tokenizer_is_refused(tiny_llama_path):
     """A tokenizer-less tiny model cannot be shown to share SmolLM2's vocabulary: exit 2, one line."""
-    r = run_cli("--target", "smollm2-135m-instruct", "--draft", tiny_llama_path, "--method", "sd",
-                "--prompt", "hi", "--max-new-tokens", "4")
+    r = run_cli(
+        "--target",
+        "smollm2-135m-instruct",
+        "--draft",
+        tiny_llama_path,
+        "--method",
+        "sd",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    )
     assert_one_line_error(r, "share a tokenizer")
 
 
@@ -110,16 +134,50 @@ def test_bad_ssd_flags(args, needle):
 
 def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
     trace = tmp_path / "trace.json"
-    common = ["--target", tiny_llama_path, "--draft", tiny_llama_path, "--prompt-ids", "1,2,3", "--prompt-ids",
-              "4,5,6,7,8", "--max-new-tokens", "8", "--ignore-eos", "--json", "--k", "2"]
+    common = [
+        "--target",
+        tiny_llama_path,
+        "--draft",
+        tiny_llama_path,
+        "--prompt-ids",
+        "1,2,3",
+        "--prompt-ids",
+        "4,5,6,7,8",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+        "--k",
+        "2",
+    ]
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    r = run_cli(*common, "--method", "ssd", "--target-devices", "2", "--draft-devices", "2", "--trace", str(trace),
-                env=env)
+    r = run_cli(
+        *common,
+        "--method",
+        "ssd",
+        "--target-devices",
+        "2",
+        "--draft-devices",
+        "2",
+        "--trace",
+        str(trace),
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
     assert d["method"] == "ssd"
-    for k in ("cache_hit_rate", "tau_hit", "tau_miss", "fallback_calls", "fanout", "acceptance_rate", "draft_s",
-              "verify_s", "sample_s", "overhead_s"):
+    for k in (
+        "cache_hit_rate",
+        "tau_hit",
+        "tau_miss",
+        "fallback_calls",
+        "fanout",
+        "acceptance_rate",
+        "draft_s",
+        "verify_s",
+        "sample_s",
+        "overhead_s",
+    ):
         assert k in d["metrics"]
     assert d["metrics"]["cache_hit_rate"] == 1.0  # the draft is the target itself
     ar = json.loads(run_cli(*common).stdout)
@@ -137,8 +195,10 @@ def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
         (["--method", "ssd", "--draft", "x", "--fan-out-budget", "0"], "fan-out budget"),
         (["--method", "ssd", "--draft", "x", "--target-devices", "0"], "target-devices"),
         (["--method", "ssd", "--draft", "x", "--draft-devices", "9"], "devices"),
-        (["--method", "sd", "--draft", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
-         "prompt-lookup-min"),
+        (
+            ["--method", "sd", "--draft", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
+            "prompt-lookup-min",
+        ),
         (["--temperature", "nan"], "temperature"),
         (["--top-k", "-1"], "top-k"),
         (["--k", "0"], "k must be"),
@@ -182,9 +242,32 @@ def test_bad_prompt_inputs_in_process(tiny_llama_path, tmp_path, capsys):
 
 @pytest.mark.slow  # 20-30 s; seeded SSD reproducibility per backup is in test_exactness
 def test_seeded_sampled_ssd_auto_is_reproducible_from_the_cli(tiny_llama_path, tiny_llama_draft_path):
-    args = ["--target", tiny_llama_path, "--draft", tiny_llama_draft_path, "--method", "ssd", "--backup", "auto",
-            "--temperature", "1", "--seed", "3", "--n", "6", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8",
-            "--max-new-tokens", "12", "--ignore-eos", "--json", "--k", "3"]
+    args = [
+        "--target",
+        tiny_llama_path,
+        "--draft",
+        tiny_llama_draft_path,
+        "--method",
+        "ssd",
+        "--backup",
+        "auto",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--n",
+        "6",
+        "--prompt-ids",
+        "1,2,3",
+        "--prompt-ids",
+        "4,5,6,7,8",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        "--k",
+        "3",
+    ]
     runs = [run_cli(*args) for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]

@@ -168,7 +168,9 @@ def test_copy_tasks(fetched):
     assert len({r["id"] for r in everything}) == len(everything)
     assert len({r["id"].split("/")[1] for r in everything[:164]}) == 164  # one pass over all problems
     assert {r["subcategory"] for r in everything[:164]} == {name for name, _ in data.COPY_TEMPLATES}
-    sol = {f"humaneval/{p['task_id'].split('/')[-1]}": p["canonical_solution"] for p in sources.humaneval_raw()}
+    sol = {
+        f"humaneval/{p['task_id'].split('/')[-1]}": p["canonical_solution"] for p in sources.humaneval_raw()
+    }
     for r in first:
         assert r["category"] == "copy"
         assert sol["humaneval/" + r["id"].split("/")[1]].strip("\n") in r["prompt"]  # code to copy is there

@@ -19,7 +19,10 @@ from ssd_jax.training import distill as D
 from ssd_jax.training import distill_data as DD
 
 WORDS = "the quick brown fox jumps over the lazy dog and hello world again".split()
-PROMPTS = [{"id": f"p/{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 5))} for i in range(6)]
+PROMPTS = [
+    {"id": f"p/{i}", "prompt": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 5))}
+    for i in range(6)
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +38,23 @@ def target(env):
 
 
 def recipe(env, **kw) -> DD.DistillRecipe:
-    base = dict(target=str(env / "target"), n_prompts=6, temperatures=(0.0, 1.0), top_k=8, max_new_tokens=8,
-                max_prompt_tokens=16, batch_size=2, shard_prompts=2)
+    base = dict(
+        target=str(env / "target"),
+        n_prompts=6,
+        temperatures=(0.0, 1.0),
+        top_k=8,
+        max_new_tokens=8,
+        max_prompt_tokens=16,
+        batch_size=2,
+        shard_prompts=2,
+    )
     return DD.DistillRecipe(**{**base, **kw})
 
 
 def build(env, target, out, **kw):
-    return DD.build_distill_data(recipe(env, **kw.pop("r", {})), env / out, target=target, prompts=PROMPTS, **kw)
+    return DD.build_distill_data(
+        recipe(env, **kw.pop("r", {})), env / out, target=target, prompts=PROMPTS, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +274,9 @@ def test_packed_forward_equals_each_sequence_alone(target, data_a):
     for r, members in enumerate(rows):
         o = 0
         for e in members:
-            n = min(int(data_a.offsets[e + 1] - data_a.offsets[e]), 128 - o)  # the row's last token is a label only
+            n = min(
+                int(data_a.offsets[e + 1] - data_a.offsets[e]), 128 - o
+            )  # the row's last token is a label only
             np.testing.assert_allclose(z[r, o : o + n], za[i, :n], atol=2e-5, rtol=1e-5)
             o, i = o + n, i + 1
 
@@ -302,15 +317,29 @@ def test_gathered_head_loss_and_grads_equal_the_masked_full_head(target, data_a)
     def loss(params, gathered):
         h = causal_hidden(params, cfg, tokens, b["positions"], b["segments"])
         if gathered:
-            st = D.distill_stats(kept_logits(params, cfg, h, ids), b["topk_ids"], b["topk_logprobs"], labels,
-                                 None, "bucket", col)
+            st = D.distill_stats(
+                kept_logits(params, cfg, h, ids),
+                b["topk_ids"],
+                b["topk_logprobs"],
+                labels,
+                None,
+                "bucket",
+                col,
+            )
         else:
-            st = D.distill_stats(T.causal_logits(params, cfg, tokens, b["positions"], b["segments"]), b["topk_ids"],
-                                 b["topk_logprobs"], labels, jnp.asarray(mask))
+            st = D.distill_stats(
+                T.causal_logits(params, cfg, tokens, b["positions"], b["segments"]),
+                b["topk_ids"],
+                b["topk_logprobs"],
+                labels,
+                jnp.asarray(mask),
+            )
         return D.distill_loss(st, b["mask"], 0.1)[0]
 
     draft = jax.tree.map(lambda x: x * 1.05, target.params)
-    (la, ga), (lb, gb) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(draft, g) for g in (True, False))
+    (la, ga), (lb, gb) = (
+        jax.jit(jax.value_and_grad(loss), static_argnums=1)(draft, g) for g in (True, False)
+    )
     assert float(la) > 1e-3
     np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
     chex.assert_trees_all_close(ga, gb, rtol=1e-4, atol=1e-6)
@@ -318,8 +347,21 @@ def test_gathered_head_loss_and_grads_equal_the_masked_full_head(target, data_a)
 
 # --- training on it --------------------------------------------------------------------------------
 def targs(env, data, out, **kw) -> T.TrainArgs:
-    base = dict(target=str(env / "target"), size="40K", steps=6, batch_size=4, seq_len=32, lr=3e-3, warmup=1,
-                eval_every=3, eval_windows=4, loss="distill", ce_weight=0.25, data=str(env / data), out=str(env / out))
+    base = dict(
+        target=str(env / "target"),
+        size="40K",
+        steps=6,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        warmup=1,
+        eval_every=3,
+        eval_windows=4,
+        loss="distill",
+        ce_weight=0.25,
+        data=str(env / data),
+        out=str(env / out),
+    )
     return T.TrainArgs(**{**base, **kw})
 
 
@@ -367,7 +409,9 @@ def test_packed_training_resumes_with_the_same_batches(env, data_a):
     with pytest.raises(Killed):
         T.train(targs(env, "data-a", "run-q", **kw), corpus=_heldout(env), on_step=kill)
     T.train(targs(env, "data-a", "run-q", resume=True, **kw), corpus=_heldout(env))
-    chex.assert_trees_all_equal(restore_state(env / "run-p", 4)["params"], restore_state(env / "run-q", 4)["params"])
+    chex.assert_trees_all_equal(
+        restore_state(env / "run-p", 4)["params"], restore_state(env / "run-q", 4)["params"]
+    )
     assert full["timing"]["loss_tokens_per_s"] > 0
     with pytest.raises(UserError, match="pack"):
         T.train(targs(env, "data-a", "run-q", resume=True, **{**kw, "pack": False}), corpus=_heldout(env))
@@ -407,8 +451,12 @@ def test_drafts_load_by_name_from_any_directory(env, run_a, tmp_path, monkeypatc
     d = load_model("tiny-draft")
     assert d.cfg.num_layers >= 1
     target = load_model(env / "target")
-    res = generate(target, [[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True),
-                   SpecConfig(method="sd", draft="tiny-draft", k=2))
+    res = generate(
+        target,
+        [[5, 6, 7]],
+        SamplingParams(max_new_tokens=4, ignore_eos=True),
+        SpecConfig(method="sd", draft="tiny-draft", k=2),
+    )
     assert len(res.outputs[0]["token_ids"]) == 4 and res.metrics["draft"]
     # a shipped name this install lacks: one line that says what to do
     monkeypatch.setattr(dfmt, "checkpoint_roots", lambda: [tmp_path / "none"])

@@ -16,8 +16,20 @@ N_NEW = 12
 
 
 def _launch_cmd(*args, no_kill=False):
-    return [sys.executable, "-m", "ssd_jax.launch", "--processes", "2", "--devices-per-process", "2",
-            "--platform", "cpu", *(["--no-kill"] if no_kill else []), "decode", *args]
+    return [
+        sys.executable,
+        "-m",
+        "ssd_jax.launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--platform",
+        "cpu",
+        *(["--no-kill"] if no_kill else []),
+        "decode",
+        *args,
+    ]
 
 
 _CACHE = {}
@@ -35,13 +47,18 @@ def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the launcher gives each process its own 2 devices
     if "dir" in _CACHE:
-        env.update(JAX_COMPILATION_CACHE_DIR=_CACHE["dir"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     return env
 
 
 def start(*args):
-    return subprocess.Popen(_launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    return subprocess.Popen(
+        _launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
 
 
 def finish(p):
@@ -56,8 +73,24 @@ def launch(*args):
 
 def _args(target, draft, *extra):
     ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
-    return ["--target", target, "--draft", draft, "--target-devices", "2", "--draft-devices", "2", *ids,
-            "--max-new-tokens", str(N_NEW), "--ignore-eos", "--json", "--k", "3", *extra]
+    return [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--target-devices",
+        "2",
+        "--draft-devices",
+        "2",
+        *ids,
+        "--max-new-tokens",
+        str(N_NEW),
+        "--ignore-eos",
+        "--json",
+        "--k",
+        "3",
+        *extra,
+    ]
 
 
 def _tokens(res):
@@ -80,45 +113,71 @@ def ar_tokens(models):
 
 
 @pytest.mark.parametrize("method", ["ssd", "sd"])
-def test_greedy_across_processes_equals_single_process_ar(method, tiny_llama_path, tiny_llama_draft_path, ar_tokens):
+def test_greedy_across_processes_equals_single_process_ar(
+    method, tiny_llama_path, tiny_llama_draft_path, ar_tokens
+):
     # SSD with backup auto: the neural fallback and the host n-gram lookups both run across processes
-    res = launch(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", method,
-                        *(["--backup", "auto"] if method == "ssd" else [])))
+    res = launch(
+        *_args(
+            tiny_llama_path,
+            tiny_llama_draft_path,
+            "--method",
+            method,
+            *(["--backup", "auto"] if method == "ssd" else []),
+        )
+    )
     assert _tokens(res) == ar_tokens
     dev = res["metrics"]["devices"]
     assert (dev["processes"], dev["target_processes"], dev["draft_processes"]) == (2, [0], [1])
 
 
-def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(models, tiny_llama_path,
-                                                                                tiny_llama_draft_path, tmp_path):
+def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(
+    models, tiny_llama_path, tiny_llama_draft_path, tmp_path
+):
     """Same meshes, same keys, same programs; what crosses between processes is copied exactly, so the
     multi-process run draws the very tokens of the single-process one."""
     from ssd_jax import SamplingParams, SpecConfig, generate
 
     trace = tmp_path / "trace.json"
     sampled = ["--temperature", "1.0", "--top-k", "20", "--seed", "7", "--backup", "neural"]
-    run = start(*_args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", *sampled, "--trace", str(trace)))
-    ref = generate(models[0], IDS, SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=N_NEW,
-                                                   ignore_eos=True),
-                   spec=SpecConfig(method="ssd", draft=models[1], k=3, backup="neural", target_devices=2,
-                                   draft_devices=2))
+    run = start(
+        *_args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", *sampled, "--trace", str(trace))
+    )
+    ref = generate(
+        models[0],
+        IDS,
+        SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=N_NEW, ignore_eos=True),
+        spec=SpecConfig(
+            method="ssd", draft=models[1], k=3, backup="neural", target_devices=2, draft_devices=2
+        ),
+    )
     res = finish(run)
     assert _tokens(res) == _tokens(ref)
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert any(lane.startswith("process 0 ") for lane in lanes) and any(lane.startswith("process 1 ") for lane in lanes)
+    assert any(lane.startswith("process 0 ") for lane in lanes) and any(
+        lane.startswith("process 1 ") for lane in lanes
+    )
     by_lane = {(e["cat"].split()[1], e["name"]) for e in events if e["ph"] == "X"}
     assert {("0", "verify"), ("1", "build"), ("1", "advance")} <= by_lane
     assert 0.0 <= res["metrics"]["overlap_fraction"] <= 1.0
 
 
-@pytest.mark.parametrize("no_kill", [pytest.param(False, marks=pytest.mark.slow), True],
-                         ids=["launcher-stops-the-rest", "survivor-notices"])
+@pytest.mark.parametrize(
+    "no_kill",
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["launcher-stops-the-rest", "survivor-notices"],
+)
 def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_path, tiny_llama_draft_path):
     args = _args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", "--backup", "neural")
     args[args.index("--max-new-tokens") + 1] = "400"
-    p = subprocess.Popen(_launch_cmd(*args, no_kill=no_kill), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env())  # survivor-notices: process 0 exits by itself (watchdog)
+    p = subprocess.Popen(
+        _launch_cmd(*args, no_kill=no_kill),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )  # survivor-notices: process 0 exits by itself (watchdog)
     try:
         pid1 = None
         for line in p.stderr:  # the pids, then the first collective over both processes' devices (mid-run)
@@ -151,7 +210,11 @@ def test_sd_on_two_meshes_in_one_process_draws_the_single_device_tokens(models):
 
     sp = SamplingParams(temperature=1.0, seed=3, max_new_tokens=N_NEW, ignore_eos=True)
     one = generate(models[0], IDS, sp, spec=SpecConfig(method="sd", draft=models[1], k=3))
-    two = generate(models[0], IDS, sp, spec=SpecConfig(method="sd", draft=models[1], k=3, target_devices=2,
-                                                       draft_devices=2))
+    two = generate(
+        models[0],
+        IDS,
+        sp,
+        spec=SpecConfig(method="sd", draft=models[1], k=3, target_devices=2, draft_devices=2),
+    )
     assert _tokens(two) == _tokens(one)
     assert two.metrics["calls_per_round"] == 2 and two.metrics["devices"]["draft"] == 2

@@ -20,7 +20,9 @@ from ssd_jax.errors import UserError
 from ssd_jax.loading.loaded import with_weight_dtype
 from ssd_jax.models import kernels
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no CPU kernel (the bfloat16 draft would widen)")
+needs_kernel = pytest.mark.skipif(
+    not kernels.available(), reason="no CPU kernel (the bfloat16 draft would widen)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,17 @@ def test_only_the_matrices_are_cast_and_the_cast_is_cached(close_pair):
 
 
 @needs_kernel
-@pytest.mark.parametrize("spec", [dict(method="sd"), dict(method="sd", trim=True),
-                                  dict(method="ssd", backup="neural")], ids=["sd", "sd-trimmed", "ssd-neural"])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(method="sd"), dict(method="sd", trim=True), dict(method="ssd", backup="neural")],
+    ids=["sd", "sd-trimmed", "ssd-neural"],
+)
 def test_greedy_with_bf16_draft_equals_greedy_ar(close_pair, ar_ref, spec):
     target, draft = close_pair
     if spec.pop("trim", False):  # a trimmed head (kept: the tokens AR emits, and a few more) is cast too
-        draft = dv.trim_draft(draft, np.union1d(np.concatenate(ar_ref), np.arange(0, 128, 8)).astype(np.int32))
+        draft = dv.trim_draft(
+            draft, np.union1d(np.concatenate(ar_ref), np.arange(0, 128, 8)).astype(np.int32)
+        )
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     res = generate(target, PROMPTS, sp, SpecConfig(draft=draft, k=3, draft_dtype="bfloat16", **spec))
     assert [o["token_ids"] for o in res.outputs] == ar_ref
@@ -76,7 +83,9 @@ def test_bad_draft_dtype_is_refused():
 
 def test_protocol_methods_take_bf16():
     specs = protocol.method_specs(["ar", "sd:auto:v64:bf16", "sd:2:bf16", "ssd:4:bf16", "sd:2"], draft="d")
-    assert specs["sd-kauto-v64-bf16"].draft_dtype == "bfloat16" and specs["sd-kauto-v64-bf16"].draft_vocab == 64
+    assert (
+        specs["sd-kauto-v64-bf16"].draft_dtype == "bfloat16" and specs["sd-kauto-v64-bf16"].draft_vocab == 64
+    )
     assert specs["sd-k2-bf16"].draft_dtype == "bfloat16" and specs["sd-k2-bf16"].draft_vocab is None
     assert specs["ssd-k4-bf16"].draft_dtype == "bfloat16"
     assert specs["sd-k2"].draft_dtype is None

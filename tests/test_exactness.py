@@ -72,7 +72,9 @@ def _spec(method, drafter, c=1.0, draft=None):
 
 def run_and_score(pair, method, drafter, c, sampling, seed, n_rows=None):
     target, draft = pair
-    sp = dataclasses.replace(sampling, n=n_rows or N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed)
+    sp = dataclasses.replace(
+        sampling, n=n_rows or N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed
+    )
     res = generate(target, STAT_PROMPTS, sp, _spec(method, drafter, c, draft))
     em = collect(target, STAT_PROMPTS, res.outputs, K, sp)
     return goodness_of_fit(em, seed=seed), res.metrics, em
@@ -119,7 +121,9 @@ def test_emissions_follow_the_target(agree_pair, case):
     # the paths under test really ran
     if drafter in ("model", "neural", "auto") and c == 1.0:  # Saguaro C < 1 lowers acceptance by design
         assert 0.3 < m["acceptance_rate"] < 0.9, m["acceptance_rate"]
-        assert min(m["acceptance_histogram"]) > 0, m["acceptance_histogram"]  # every count 0..K, bonus included
+        assert min(m["acceptance_histogram"]) > 0, m[
+            "acceptance_histogram"
+        ]  # every count 0..K, bonus included
         assert K in rep.strata  # the bonus tokens after full acceptance were tested on their own
     if method == "ssd":  # both the cache-hit and the fallback paths ran (C = 0 pushes the hit rate up)
         assert 0.05 < m["cache_hit_rate"] < 0.995, m["cache_hit_rate"]
@@ -130,8 +134,9 @@ def test_emissions_follow_the_target(agree_pair, case):
 def test_emissions_follow_the_target_large(agree_pair, case):
     """The same cases with 8x the rows (65,536 tokens each): detects a TV bias of 0.02 per token (0.04 above)."""
     method, drafter, c, sampling = case
-    rep, _, _ = run_and_score(agree_pair, method, drafter, c, sampling, seed=200 + CASES.index(case),
-                              n_rows=8 * N_ROWS)
+    rep, _, _ = run_and_score(
+        agree_pair, method, drafter, c, sampling, seed=200 + CASES.index(case), n_rows=8 * N_ROWS
+    )
     assert not rep.rejected, str(rep)
 
 
@@ -149,7 +154,10 @@ def test_adaptive_k_emissions_follow_the_target(agree_pair):
     rep = goodness_of_fit(collect(target, STAT_PROMPTS, res.outputs, 8, sp), seed=99)
     assert not rep.rejected, str(rep)
     assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
-    assert len(res.metrics["k_rounds"]) >= 2, (res.metrics["k_rounds"], res.metrics["alpha_online"])  # K changed
+    assert len(res.metrics["k_rounds"]) >= 2, (
+        res.metrics["k_rounds"],
+        res.metrics["alpha_online"],
+    )  # K changed
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -322,8 +330,11 @@ def real_emissions(agree_pair):
 @pytest.mark.parametrize("kind", ["to_top", "to_tail"])
 def test_power(real_emissions, kind):
     """On the real run's conditionals: exact redraws pass, a known TV bias per token fails."""
+
     def rejected(delta, seed):
-        redrawn = real_emissions.biased(delta, kind, np.random.default_rng(1000 + seed))  # independent of the PIT seed
+        redrawn = real_emissions.biased(
+            delta, kind, np.random.default_rng(1000 + seed)
+        )  # independent of the PIT seed
         return goodness_of_fit(redrawn, seed=seed).rejected
 
     assert not any(rejected(0.0, s) for s in range(5))
@@ -343,7 +354,12 @@ def greedy_pair():
 
 GREEDY_NEW = 32
 #: mixed lengths (1 to 12 tokens), so rows sit at different cache offsets and finish rounds out of step
-GREEDY_PROMPTS = PROMPTS + [[40, 41], [100, 3, 100, 3, 100, 3, 7, 9, 11], [12, 64, 5], [127, 0, 33, 8, 90, 2, 61, 17, 4, 4, 4, 20]]
+GREEDY_PROMPTS = PROMPTS + [
+    [40, 41],
+    [100, 3, 100, 3, 100, 3, 7, 9, 11],
+    [12, 64, 5],
+    [127, 0, 33, 8, 90, 2, 61, 17, 4, 4, 4, 20],
+]
 
 
 @pytest.fixture(scope="module")

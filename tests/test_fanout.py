@@ -109,7 +109,9 @@ def test_real_schedule_maximises_the_modelled_hit_rate():
 
 
 def test_parameters_are_clipped():
-    np.testing.assert_array_equal(fo.geometric_fanout(1.0, 0.4, 7, 24), fo.geometric_fanout(1 - 1e-3, 0.4, 7, 24))
+    np.testing.assert_array_equal(
+        fo.geometric_fanout(1.0, 0.4, 7, 24), fo.geometric_fanout(1 - 1e-3, 0.4, 7, 24)
+    )
     np.testing.assert_array_equal(fo.geometric_fanout(0.0, 0.4, 7, 24), fo.geometric_fanout(1e-3, 0.4, 7, 24))
     np.testing.assert_array_equal(fo.geometric_fanout(0.7, 99.0, 7, 24), fo.geometric_fanout(0.7, 5.0, 7, 24))
     np.testing.assert_array_equal(fo.geometric_fanout(0.7, 0.0, 7, 24), fo.geometric_fanout(0.7, 0.01, 7, 24))
@@ -182,21 +184,33 @@ def test_acceptance_estimate_is_the_capped_geometric_mle_with_pseudo_counts():
     fan = np.tile(fo.uniform_fanout(2, 7), (5, 1))
     # rows 0-2 normal: k=2 of 7 (2 succ, 1 fail), 7 of 7 (7, 0), 3 of 3 (3, 0: capped by n_draft)
     # rows 3-4 post-miss: k=0 of 7 (0, 1), 1 of 7 (1, 1)
-    est.observe(np.array([2, 7, 3, 0, 1]), np.array([7, 7, 3, 7, 7]), np.zeros(5, bool), fan,
-                np.array([False, False, False, True, True]))
+    est.observe(
+        np.array([2, 7, 3, 0, 1]),
+        np.array([7, 7, 3, 7, 7]),
+        np.zeros(5, bool),
+        fan,
+        np.array([False, False, False, True, True]),
+    )
     assert est.a == pytest.approx((12 + 8 * 0.7) / (13 + 8))
     assert est.a_post == pytest.approx((1 + 8 * 0.05) / (3 + 8))
     with pytest.raises(ValueError):
         est.observe(np.array([4]), np.array([3]), np.array([False]), fan[:1], np.array([False]))
-    est.observe(np.zeros(0, int), np.zeros(0, int), np.zeros(0, bool), np.zeros((0, 8), int), np.zeros(0, bool))
+    est.observe(
+        np.zeros(0, int), np.zeros(0, int), np.zeros(0, bool), np.zeros((0, 8), int), np.zeros(0, bool)
+    )
 
 
 def test_r_keeps_the_prior_without_two_fanout_values():
     est = fo.FanoutEstimator(K=3, budget=8, mode="uniform", uniform_F=2, r0=0.4)
     rng = np.random.default_rng(1)
     n = 2000
-    est.observe(rng.integers(0, 4, n), np.full(n, 3), rng.random(n) < 0.5, np.tile(est.schedule(), (n, 1)),
-                np.zeros(n, bool))
+    est.observe(
+        rng.integers(0, 4, n),
+        np.full(n, 3),
+        rng.random(n) < 0.5,
+        np.tile(est.schedule(), (n, 1)),
+        np.zeros(n, bool),
+    )
     assert est.r == pytest.approx(0.4)
 
 

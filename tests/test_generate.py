@@ -37,7 +37,11 @@ def test_greedy_matches_naive_full_forward(tiny):
     """The engine's cached greedy loop equals argmax over a fresh full forward at every step."""
     from ssd_jax.models import llama
 
-    fwd = jax.jit(lambda p, ids: llama.logits(p, tiny.cfg, llama.forward(p, tiny.cfg, ids, llama.init_cache(tiny.cfg, 1, 64))[0]))
+    fwd = jax.jit(
+        lambda p, ids: llama.logits(
+            p, tiny.cfg, llama.forward(p, tiny.cfg, ids, llama.init_cache(tiny.cfg, 1, 64))[0]
+        )
+    )
     seq = list(PROMPTS[1])
     for _ in range(8):  # causal: right padding to a fixed width changes nothing before it
         padded = np.zeros((1, 32), np.int32)
@@ -48,7 +52,9 @@ def test_greedy_matches_naive_full_forward(tiny):
 
 
 def test_sampling_is_reproducible_with_a_seed(tiny):
-    sp = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=123, max_new_tokens=10, ignore_eos=True, n=3)
+    sp = SamplingParams(
+        temperature=1.0, top_k=20, top_p=0.9, seed=123, max_new_tokens=10, ignore_eos=True, n=3
+    )
     a = _ids(generate(tiny, PROMPTS[:2], sp))
     b = _ids(generate(tiny, PROMPTS[:2], sp))
     c = _ids(generate(tiny, PROMPTS[:2], SamplingParams(**{**sp.__dict__, "seed": 124})))
@@ -119,7 +125,9 @@ _filter = jax.jit(filter_logprobs, static_argnums=(2,))
 
 
 def _rs(t, k, p, B=1):
-    return RowSampling(jnp.full((B,), t, jnp.float32), jnp.full((B,), k, jnp.int32), jnp.full((B,), p, jnp.float32))
+    return RowSampling(
+        jnp.full((B,), t, jnp.float32), jnp.full((B,), k, jnp.int32), jnp.full((B,), p, jnp.float32)
+    )
 
 
 def _ref_filter(logits, t, k, p, margin=0.0):
@@ -174,7 +182,9 @@ def test_sampler_frequencies_follow_the_filtered_distribution():
     logits = jnp.asarray(np.random.RandomState(0).randn(1, 12).astype(np.float32) * 2)
     rs = _rs(0.7, 0, 0.9, B=20_000)
     keys = jax.random.key(0)
-    draws = np.asarray(jax.jit(sample, static_argnums=(3,))(keys, jnp.broadcast_to(logits, (20_000, 12)), rs, True))
+    draws = np.asarray(
+        jax.jit(sample, static_argnums=(3,))(keys, jnp.broadcast_to(logits, (20_000, 12)), rs, True)
+    )
     p = np.exp(np.asarray(_filter(logits, _rs(0.7, 0, 0.9), True))[0])
     counts = np.bincount(draws, minlength=12)
     assert counts[p == 0].sum() == 0  # never outside the nucleus

@@ -29,19 +29,47 @@ def test_full_shapes_have_qwen_parameter_counts():
 
 def test_smoke_run_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    p = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path / "out"), "--work",
-                        str(tmp_path / "work")], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
-    log = (tmp_path / "out" / "gpu_check.log").read_text() if (tmp_path / "out" / "gpu_check.log").exists() else ""
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--out",
+            str(tmp_path / "out"),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
+    log = (
+        (tmp_path / "out" / "gpu_check.log").read_text()
+        if (tmp_path / "out" / "gpu_check.log").exists()
+        else ""
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + log[-3000:]
     res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert res["smoke"] and set(res["steps"]) == {"build", "device", "engine"}
     assert all(s["status"] == "ok" for s in res["steps"].values())
     assert res["steps"]["device"]["result"]["bandwidth_gb_s"]["read (sum)"] > 0
     rows = {r["method"]: r for r in res["engine_rows"]}
-    assert set(rows) == {"ar", "sd draft=target", "sd draft=unrelated", "ssd draft=target", "ssd draft=unrelated",
-                         "sd draft=unrelated, profiled stages", "ssd draft=unrelated, profiled stages"}
+    assert set(rows) == {
+        "ar",
+        "sd draft=target",
+        "sd draft=unrelated",
+        "ssd draft=target",
+        "ssd draft=unrelated",
+        "sd draft=unrelated, profiled stages",
+        "ssd draft=unrelated, profiled stages",
+    }
     assert all(r["same_tokens_as_ar"] for r in res["engine_rows"])  # greedy: every loop gives AR's tokens
-    assert rows["sd draft=target"]["acceptance_rate"] == 1.0 and rows["ssd draft=target"]["acceptance_rate"] == 1.0
+    assert (
+        rows["sd draft=target"]["acceptance_rate"] == 1.0
+        and rows["ssd draft=target"]["acceptance_rate"] == 1.0
+    )
     assert rows["ssd draft=target"]["calls_per_round"] == 1.0  # one device: the whole round is one call
     prof = rows["ssd draft=unrelated, profiled stages"]
     assert prof["verify_s_per_round"] > 0 and prof["draft_s_per_round"] > 0  # build against verify

@@ -19,7 +19,7 @@ def test_best_k_on_known_optima():
     # α = 0.8, draft step 0.1 of a target step: S(K) = E(K) / (1 + 0.1 K) peaks at K = 6 (2.470 vs 2.459, 2.448)
     sp = expected_speedups(0.8, 1.0, flat, t_draft_step=0.1)
     assert best_k(sp) == 6
-    assert sp[6] == pytest.approx((1 - 0.8 ** 7) / 0.2 / 1.6)
+    assert sp[6] == pytest.approx((1 - 0.8**7) / 0.2 / 1.6)
     assert best_k(expected_speedups(0.9, 1.0, flat)) == K_MAX  # free draft: more is better
     assert best_k(expected_speedups(0.0, 1.0, flat, t_draft_step=0.1)) == 1  # nothing is ever accepted
     assert best_k(expected_speedups(1.0, 1.0, flat, c_round=0.5)) == K_MAX
@@ -29,8 +29,16 @@ def test_best_k_on_known_optima():
     sp = expected_speedups(0.8, 1.0, grow)
     assert best_k(sp) == max(sp, key=sp.get) == 3
     assert best_k({1: 2.0, 2: 2.0, 3: 1.0}) == 1  # ties: the smaller K
-    assert interpolate_verify({1: 1.0, 4: 4.0, 8: 4.0}) == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 4.0, 6: 4.0, 7: 4.0,
-                                                           8: 4.0}
+    assert interpolate_verify({1: 1.0, 4: 4.0, 8: 4.0}) == {
+        1: 1.0,
+        2: 2.0,
+        3: 3.0,
+        4: 4.0,
+        5: 4.0,
+        6: 4.0,
+        7: 4.0,
+        8: 4.0,
+    }
 
 
 def test_spec_validation_of_k():
@@ -63,7 +71,9 @@ def test_auto_k_metrics_and_greedy_equality(pair, ar_ref):
     assert _ids(ssd) == ar_ref
     # an explicit k is used as given (here auto's own choice: the same compiled round, the same tokens)
     fixed = generate(target, PROMPTS, SP, SpecConfig(method="sd", draft="ngram", k=res.metrics["k"]))
-    assert fixed.metrics["k_auto"] is None and fixed.metrics["k"] == res.metrics["k"] and _ids(fixed) == ar_ref
+    assert (
+        fixed.metrics["k_auto"] is None and fixed.metrics["k"] == res.metrics["k"] and _ids(fixed) == ar_ref
+    )
     assert "k_auto" not in generate(target, PROMPTS, SP).metrics  # AR ignores k
 
 
@@ -84,14 +94,25 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
     rec = json.loads(files[0].read_text())
     assert rec["batch"] == len(PROMPTS) and rec["alpha"] == a.metrics["k_auto"]["alpha"]
     rec["alpha"] = 0.9
-    rec["costs"].update(t_ar=1.0, t_draft_step=0.05, c_round=0.0, t_verify={"1": 1.0, "2": 1.0, "4": 1.0, "8": 2.0})
+    rec["costs"].update(
+        t_ar=1.0, t_draft_step=0.05, c_round=0.0, t_verify={"1": 1.0, "2": 1.0, "4": 1.0, "8": 2.0}
+    )
     files[0].write_text(json.dumps(rec))
     c = generate(target, PROMPTS, sp, spec)
-    assert c.metrics["k"] == 4 == best_k(expected_speedups(0.9, 1.0, interpolate_verify(
-        {1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0}), t_draft_step=0.05))
+    assert (
+        c.metrics["k"]
+        == 4
+        == best_k(
+            expected_speedups(
+                0.9, 1.0, interpolate_verify({1: 1.0, 2: 1.0, 4: 1.0, 8: 2.0}), t_draft_step=0.05
+            )
+        )
+    )
     assert c.metrics["k_adaptive"] and c.metrics["k_auto"]["adaptive"]  # SD then re-chooses K every round
-    assert set(c.metrics["k_rounds"]) <= {"1", "2", "4", "8"} and sum(c.metrics["k_rounds"].values()) == c.metrics[
-        "verify_steps"]
+    assert (
+        set(c.metrics["k_rounds"]) <= {"1", "2", "4", "8"}
+        and sum(c.metrics["k_rounds"].values()) == c.metrics["verify_steps"]
+    )
     assert len(c.metrics["acceptance_histogram"]) == 8 + 1  # up to the largest candidate K
     # a forced re-calibration measures again
     monkeypatch.setenv("SSD_JAX_KAUTO_RECALIBRATE", "1")
@@ -105,8 +126,16 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
 def test_cli_k_auto(tiny_llama_path, capsys):
     from ssd_jax.cli.decode import main
 
-    common = ["--target", tiny_llama_path, "--prompt-ids", "1,2,3,1,2,3", "--max-new-tokens", "6", "--ignore-eos",
-              "--json"]
+    common = [
+        "--target",
+        tiny_llama_path,
+        "--prompt-ids",
+        "1,2,3,1,2,3",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main([*common, "--method", "sd", "--draft", "ngram"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert isinstance(d["metrics"]["k"], int) and d["metrics"]["k_auto"]["source"] in ("measured", "cache")
@@ -165,8 +194,12 @@ def test_adaptive_k_greedy_equals_ar(pair, ar_ref, drafter):
     target, draft = pair
     d = {"unrelated": draft, "ngram": "ngram", "target": target}[drafter]
     prior = 0.0 if drafter == "target" else 1.0
-    spec = SpecConfig(method="sd", draft=d, k=KPlan.from_costs(prior, COSTS, 8).choose(prior),
-                      k_plan=KPlan.from_costs(prior, COSTS, 8))
+    spec = SpecConfig(
+        method="sd",
+        draft=d,
+        k=KPlan.from_costs(prior, COSTS, 8).choose(prior),
+        k_plan=KPlan.from_costs(prior, COSTS, 8),
+    )
     res = generate(target, PROMPTS, SP, spec)
     m = res.metrics
     assert _ids(res) == ar_ref
@@ -174,7 +207,9 @@ def test_adaptive_k_greedy_equals_ar(pair, ar_ref, drafter):
     if drafter == "unrelated":
         assert m["k_rounds"].get("8", 0) >= 1 and min(map(int, m["k_rounds"])) < 8, m["k_rounds"]
     if drafter == "target":
-        assert m["k"] == 1 and m["k_rounds"].get("1", 0) >= 1 and max(map(int, m["k_rounds"])) >= 4, m["k_rounds"]
+        assert m["k"] == 1 and m["k_rounds"].get("1", 0) >= 1 and max(map(int, m["k_rounds"])) >= 4, m[
+            "k_rounds"
+        ]
         assert m["acceptance_rate"] > 0.9
 
 

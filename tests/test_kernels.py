@@ -146,8 +146,12 @@ def test_kernel_forms_match_the_einsum_in_the_model(t):
         h, _ = jax.jit(llama.forward, static_argnums=1)(m.params, cfg, tokens, cache)
         return np.asarray(jax.jit(llama.logits, static_argnums=1)(m.params, cfg, h))
 
-    assert kernels.TARGET in jax.jit(llama.forward, static_argnums=1).lower(
-        m.params, m.cfg.replace(forms=KERNEL), tokens, llama.init_cache(m.cfg, 2, 32)).as_text()
+    assert (
+        kernels.TARGET
+        in jax.jit(llama.forward, static_argnums=1)
+        .lower(m.params, m.cfg.replace(forms=KERNEL), tokens, llama.init_cache(m.cfg, 2, 32))
+        .as_text()
+    )
     _close(run(m.cfg.replace(forms=KERNEL)), run(m.cfg), rel=1e-5)
 
 
@@ -179,8 +183,13 @@ def test_off_switch_gives_the_einsum(monkeypatch):
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, m.cfg.vocab_size, (1, 5)), jnp.int32)
 
         def run(cfg):  # a fresh function: nothing traced with the kernel on is reused
-            return np.asarray(jax.jit(lambda p, t: llama.logits(
-                p, cfg, llama.forward(p, cfg, t, llama.init_cache(cfg, 1, 16))[0]))(m.params, tokens))
+            return np.asarray(
+                jax.jit(
+                    lambda p, t: llama.logits(
+                        p, cfg, llama.forward(p, cfg, t, llama.init_cache(cfg, 1, 16))[0]
+                    )
+                )(m.params, tokens)
+            )
 
         np.testing.assert_array_equal(run(m.cfg.replace(forms=KERNEL)), run(m.cfg))
     finally:

@@ -717,7 +717,11 @@ def test_smollm2_second_load_is_fast_and_offline(smol, monkeypatch):
     elapsed = time.perf_counter() - t0
     assert elapsed < 10, elapsed
     assert m.params["layers"][29]["wq"].shape == param_specs(m.cfg)["layers.29.wq"][0]
-    assert sorted(m.params["layers"][29]["wq"].shape) == [9, 64, 576]  # (H, hd, D) or, per CPU forms, (D, H, hd)
+    assert sorted(m.params["layers"][29]["wq"].shape) == [
+        9,
+        64,
+        576,
+    ]  # (H, hd, D) or, per CPU forms, (D, H, hd)
     assert m.tokenizer.fingerprint() == smol.tokenizer.fingerprint()
 
 

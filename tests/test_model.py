@@ -51,8 +51,17 @@ def test_config_flags_follow_family(tiny_hf):
 
 
 def _tiny_cfg(**kw):
-    base = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
-                head_dim=8, max_position_embeddings=256, qkv_bias=True)
+    base = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=8,
+        max_position_embeddings=256,
+        qkv_bias=True,
+    )
     base.update(kw)
     return ModelConfig(**base)
 

@@ -89,7 +89,9 @@ def test_bleu4_hand_computed():
 def test_bleu4_brevity_penalty():
     ref = list(range(8))
     assert bleu4(ref[:4], ref) == pytest.approx(math.exp(1 - 8 / 4))  # all precisions 1
-    assert bleu4(ref[:4], ref, brevity_penalty=False) == pytest.approx(1.0)  # the overlap measure analyze uses
+    assert bleu4(ref[:4], ref, brevity_penalty=False) == pytest.approx(
+        1.0
+    )  # the overlap measure analyze uses
     assert bleu4(ref, ref[:4]) < 1.0  # longer candidate: no BP, but precision drops
     assert bleu4(ref + ref[:4], ref) == pytest.approx(bleu4(ref + ref[:4], ref + [99]))  # c > r either way
 
@@ -128,7 +130,12 @@ def test_analyze_aggregate_render():
     r1 = analyze(TOKENS[:5], TOKENS[5:], np.array([T, F, T, T, T]), k=3)
     assert r1["bleu4"] == pytest.approx((4 / 5 * 4 / 5 * 3 / 4 * 2 / 3) ** 0.25)
     assert r1["bleu_bin"] == "0.4-1.0"
-    assert {m: s["rounds"] for m, s in r1["methods"].items()} == {"ngram": 2, "draft": 2, "oracle": 2, "combine": 2}
+    assert {m: s["rounds"] for m, s in r1["methods"].items()} == {
+        "ngram": 2,
+        "draft": 2,
+        "oracle": 2,
+        "combine": 2,
+    }
     assert r1["methods"]["ngram"]["accepted_at"] == [1, 1, 1]  # rounds accept 0 and 3
     assert r1["methods"]["draft"]["accepted_at"] == [2, 1, 0]  # rounds accept 1 and 2
     # prompt 2: nothing repeats and the draft is always wrong -> AR for both; the oracle takes 1 round
@@ -213,8 +220,12 @@ def test_ngram_rounds_equal_engine_verify_steps(pair, traces):
     """Offline n-gram rounds (after the prefill token) equal the SD engine's per-request verify steps."""
     target, _ = pair
     k = 3
-    res = generate(target, [p for p, _ in traces], SamplingParams(max_new_tokens=20, ignore_eos=True),
-                   SpecConfig(method="sd", draft="ngram", k=k))
+    res = generate(
+        target,
+        [p for p, _ in traces],
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+        SpecConfig(method="sd", draft="ngram", k=k),
+    )
     steps = []
     for (prompt, out), o in zip(traces, res.outputs):
         assert o["token_ids"] == out

@@ -23,11 +23,20 @@ def test_hf_runners_interleave_with_ours(tmp_path, tiny_llama_path):
     spec.loader.exec_module(hf)
     ours = ssd_jax.load_model(tiny_llama_path)
     theirs = AutoModelForCausalLM.from_pretrained(tiny_llama_path).eval()
-    runners = {"ar": protocol.EngineRunner(ours, protocol.method_specs(["ar"])["ar"]),
-               "hf-generate": hf.HFRunner(theirs), "hf-prompt-lookup-2": hf.HFRunner(theirs, prompt_lookup_num_tokens=2)}
+    runners = {
+        "ar": protocol.EngineRunner(ours, protocol.method_specs(["ar"])["ar"]),
+        "hf-generate": hf.HFRunner(theirs),
+        "hf-prompt-lookup-2": hf.HFRunner(theirs, prompt_lookup_num_tokens=2),
+    }
     recs = {"code": [{"id": "a", "prompt": [3, 17, 29, 3, 17]}, {"id": "b", "prompt": [5, 6, 7, 5, 6, 7]}]}
-    path = protocol.run_protocol(runners, protocol.build_units(recs, 2, 1), tmp_path / "peer.jsonl", repeats=1,
-                                 new_tokens=6, progress=False)
+    path = protocol.run_protocol(
+        runners,
+        protocol.build_units(recs, 2, 1),
+        tmp_path / "peer.jsonl",
+        repeats=1,
+        new_tokens=6,
+        progress=False,
+    )
     rows = [r for r in protocol.read_rows(path) if r["kind"] == "run"]
     assert len(rows) == 6
     for r in rows:

@@ -40,9 +40,21 @@ def test_memory_bound_at_batch_1_compute_bound_at_large_batch():
 
 
 def _simple_hw(**kw):
-    base = dict(name="toy", hbm_gb_s=1000.0, peak_tflops=1e6, memory_gb=1e6, step_overhead_s=1e-3,
-                host_overhead_s=2e-3, link_gb_s=100.0, link_latency_s=5e-6, bw_eff=1.0, flop_eff=1.0, m_half=0.0,
-                sample_s_per_logit=0.0, bytes_per_param=2)
+    base = dict(
+        name="toy",
+        hbm_gb_s=1000.0,
+        peak_tflops=1e6,
+        memory_gb=1e6,
+        step_overhead_s=1e-3,
+        host_overhead_s=2e-3,
+        link_gb_s=100.0,
+        link_latency_s=5e-6,
+        bw_eff=1.0,
+        flop_eff=1.0,
+        m_half=0.0,
+        sample_s_per_logit=0.0,
+        bytes_per_param=2,
+    )
     base.update(kw)
     return pm.Hardware(**base)
 
@@ -62,7 +74,9 @@ def test_sd_prediction_equals_hand_computation():
     ar = pm.predict_ar(hw, Q15, context=0)
     assert ar.tokens_per_s == pytest.approx(1 / (t_v + 2e-3))
     # a measured tokens-per-round overrides alpha; per-step host syncs add K host overheads
-    q = pm.predict_sd(hw, Q15, Q05, k=k, tokens_per_round=3.0, p_catch_up=0.0, context=0, draft_loop="per_step")
+    q = pm.predict_sd(
+        hw, Q15, Q05, k=k, tokens_per_round=3.0, p_catch_up=0.0, context=0, draft_loop="per_step"
+    )
     assert q.tokens_per_s == pytest.approx(3.0 / (round_s + k * 2e-3))
 
 
@@ -77,8 +91,21 @@ def test_expected_tokens_and_inverse():
 def test_ssd_reduces_to_theorem_7(shared, backup):
     hw = pm.HARDWARE["h200"]
     for batch in (1, 4):
-        p = pm.predict_ssd(hw, Q15, Q05, k=4, fan_budget=10, p_hit=0.7, tau_hit=4.0, tau_miss=3.0, batch=batch,
-                           context=200, shared=shared, backup=backup, t_fast=1e-4)
+        p = pm.predict_ssd(
+            hw,
+            Q15,
+            Q05,
+            k=4,
+            fan_budget=10,
+            p_hit=0.7,
+            tau_hit=4.0,
+            tau_miss=3.0,
+            batch=batch,
+            context=200,
+            shared=shared,
+            backup=backup,
+            t_fast=1e-4,
+        )
         u = p.parts["verify"] + p.parts["overhead"]
         build, tb = p.parts["build"], p.parts["backup"]
         if shared:  # nothing hides: the build is serialised into every round
@@ -96,7 +123,8 @@ def test_ssd_never_exceeds_the_ceiling_over_sd():
     rng = np.random.default_rng(0)
     for _ in range(300):
         hw = pm.HARDWARE[str(rng.choice(["h100-sxm", "h200", "a100-80gb", "tpu-v5e"]))].replace(
-            host_overhead_s=float(rng.uniform(0, 3e-3)), link_latency_s=float(rng.uniform(0, 3e-5)))
+            host_overhead_s=float(rng.uniform(0, 3e-3)), link_latency_s=float(rng.uniform(0, 3e-5))
+        )
         tgt, drf = [(T70, D1), (Q15, Q05)][rng.integers(2)]
         tp = 4 if tgt is T70 else 1
         k = int(rng.integers(1, 9))
@@ -106,8 +134,19 @@ def test_ssd_never_exceeds_the_ceiling_over_sd():
         e_miss = float(rng.uniform(1, e))
         batch = int(rng.integers(1, 9))
         sd = pm.predict_sd(hw, tgt, drf, k=k, alpha=a, p_catch_up=0.0, batch=batch, tp=tp)
-        ssd = pm.predict_ssd(hw, tgt, drf, k=k, fan_budget=int(rng.integers(1, 33)), p_hit=p_hit, tau_hit=e,
-                             tau_miss=e_miss, batch=batch, tp=tp, shared=bool(rng.integers(2)))
+        ssd = pm.predict_ssd(
+            hw,
+            tgt,
+            drf,
+            k=k,
+            fan_budget=int(rng.integers(1, 33)),
+            p_hit=p_hit,
+            tau_hit=e,
+            tau_miss=e_miss,
+            batch=batch,
+            tp=tp,
+            shared=bool(rng.integers(2)),
+        )
         ceiling = (1 + sd.info["T_SD"]) * e / sd.tokens_per_round
         assert ssd.tokens_per_s / sd.tokens_per_s <= ceiling * (1 + 1e-9)
 
@@ -115,11 +154,16 @@ def test_ssd_never_exceeds_the_ceiling_over_sd():
 def test_fit_recovers_known_constants_from_synthetic_timings():
     true = pm.HARDWARE["cpu"].replace(step_overhead_s=4e-3, bw_eff=0.72, flop_eff=0.45, m_half=11.0)
     models = [Q15, Q05, pm.model_shape("smollm2-135m-instruct")]
-    samples = [pm.ForwardSample(m, 1, 1, 100.0, pm.forward_time(true, m, context=100.0).total) for m in models]
+    samples = [
+        pm.ForwardSample(m, 1, 1, 100.0, pm.forward_time(true, m, context=100.0).total) for m in models
+    ]
     for m in models[:2]:
         for b, t in ((1, 5), (1, 8), (4, 5), (16, 1)):
-            samples.append(pm.ForwardSample(m, b, t, 100.0, pm.forward_time(true, m, batch=b, tokens=t,
-                                                                               context=100.0).total))
+            samples.append(
+                pm.ForwardSample(
+                    m, b, t, 100.0, pm.forward_time(true, m, batch=b, tokens=t, context=100.0).total
+                )
+            )
     prior = true.replace(step_overhead_s=0.0, bw_eff=0.9, flop_eff=0.6, m_half=0.0)
     fit, rep = pm.fit_forward(prior, samples)
     assert {"step_overhead_s", "bw_eff", "flop_eff", "m_half"} <= set(rep["fitted"])
@@ -147,32 +191,92 @@ def _synthetic_results(tmp_path, hw):
 
     for cat in ("code", "math"):
         p = pm.predict_ar(hw, Q15, context=ctx)
-        rows.append({"suite": "main", "category": cat, "method": "ar", "batch_size": 1, "prompt_tokens": 40,
-                     "loadavg": [1, 1, 1], **timing(p, gen - 1)})
+        rows.append(
+            {
+                "suite": "main",
+                "category": cat,
+                "method": "ar",
+                "batch_size": 1,
+                "prompt_tokens": 40,
+                "loadavg": [1, 1, 1],
+                **timing(p, gen - 1),
+            }
+        )
         tau = (gen - 1) / steps
         ng = pm.predict_sd(hw, Q15, Q15, k=k, tokens_per_round=tau, p_catch_up=0.0, context=ctx)
         t_round = ng.round_s - ng.parts["draft"]
-        rows.append({"suite": "main", "category": cat, "method": "ngram-k4", "draft": "ngram", "batch_size": 1,
-                     "prompt_tokens": 40, "k": k, "verify_steps": steps, "loadavg": [1, 1, 1],
-                     "generated_tokens": gen, "ttft_s": 1.0, "wall_s": 1.0 + steps * t_round,
-                     "verify_s": steps * ng.parts["verify"], "draft_s": 0.0,
-                     "sample_s": steps * pm.sample_time(hw, Q15, k + 1), "overhead_s": steps * hw.host_overhead_s,
-                     "acceptance_rate": 0.5, "acceptance_histogram": [4, 4, 4, 2, 2]})
+        rows.append(
+            {
+                "suite": "main",
+                "category": cat,
+                "method": "ngram-k4",
+                "draft": "ngram",
+                "batch_size": 1,
+                "prompt_tokens": 40,
+                "k": k,
+                "verify_steps": steps,
+                "loadavg": [1, 1, 1],
+                "generated_tokens": gen,
+                "ttft_s": 1.0,
+                "wall_s": 1.0 + steps * t_round,
+                "verify_s": steps * ng.parts["verify"],
+                "draft_s": 0.0,
+                "sample_s": steps * pm.sample_time(hw, Q15, k + 1),
+                "overhead_s": steps * hw.host_overhead_s,
+                "acceptance_rate": 0.5,
+                "acceptance_histogram": [4, 4, 4, 2, 2],
+            }
+        )
         hist = [2, 2, 2, 2, 8]
         sd = pm.predict_sd(hw, Q15, Q05, k=k, tokens_per_round=tau, p_catch_up=0.5, context=ctx)
-        rows.append({"suite": "main", "category": cat, "method": "sd-k4", "batch_size": 1, "prompt_tokens": 40,
-                     "k": k, "verify_steps": steps, "loadavg": [1, 1, 1], **timing(sd, gen - 1),
-                     "verify_s": steps * sd.parts["verify"], "draft_s": steps * sd.parts["draft"],
-                     "sample_s": 0.1, "overhead_s": 0.01, "acceptance_rate": 0.7, "acceptance_histogram": hist})
-        ssd = pm.predict_ssd(hw, Q15, Q05, k=k, fan_budget=10, p_hit=0.6, tau_hit=4.5, tau_miss=3.0, context=ctx,
-                             shared=True)
-        rows.append({"suite": "main", "category": cat, "method": "ssd-k4", "batch_size": 1, "prompt_tokens": 40,
-                     "k": k, "verify_steps": steps, "loadavg": [1, 1, 1], **timing(ssd, gen - 1),
-                     "verify_s": steps * ssd.parts["verify"], "draft_s": steps * ssd.parts["build"],
-                     "draft_exposed_s": steps * ssd.parts["draft_exposed"], "sample_s": 0.1, "overhead_s": 0.01,
-                     "acceptance_rate": 0.7, "acceptance_histogram": hist, "cache_hit_rate": 0.6, "tau_hit": 4.5,
-                     "tau_miss": 3.0, "fanout": {"budget": 10}, "backup": "neural",
-                     "devices": {"single_device": True, "target": 1, "draft": 1}})
+        rows.append(
+            {
+                "suite": "main",
+                "category": cat,
+                "method": "sd-k4",
+                "batch_size": 1,
+                "prompt_tokens": 40,
+                "k": k,
+                "verify_steps": steps,
+                "loadavg": [1, 1, 1],
+                **timing(sd, gen - 1),
+                "verify_s": steps * sd.parts["verify"],
+                "draft_s": steps * sd.parts["draft"],
+                "sample_s": 0.1,
+                "overhead_s": 0.01,
+                "acceptance_rate": 0.7,
+                "acceptance_histogram": hist,
+            }
+        )
+        ssd = pm.predict_ssd(
+            hw, Q15, Q05, k=k, fan_budget=10, p_hit=0.6, tau_hit=4.5, tau_miss=3.0, context=ctx, shared=True
+        )
+        rows.append(
+            {
+                "suite": "main",
+                "category": cat,
+                "method": "ssd-k4",
+                "batch_size": 1,
+                "prompt_tokens": 40,
+                "k": k,
+                "verify_steps": steps,
+                "loadavg": [1, 1, 1],
+                **timing(ssd, gen - 1),
+                "verify_s": steps * ssd.parts["verify"],
+                "draft_s": steps * ssd.parts["build"],
+                "draft_exposed_s": steps * ssd.parts["draft_exposed"],
+                "sample_s": 0.1,
+                "overhead_s": 0.01,
+                "acceptance_rate": 0.7,
+                "acceptance_histogram": hist,
+                "cache_hit_rate": 0.6,
+                "tau_hit": 4.5,
+                "tau_miss": 3.0,
+                "fanout": {"budget": 10},
+                "backup": "neural",
+                "devices": {"single_device": True, "target": 1, "draft": 1},
+            }
+        )
     ssd_res = {"suite": "ssd", "env": {}, "target": Q15.name, "draft": Q05.name, "k": k, "rows": rows}
     paths = []
     for name, res in (("ar_cpu.json", ar), ("ssd_cpu_test.json", ssd_res)):
@@ -182,8 +286,9 @@ def _synthetic_results(tmp_path, hw):
 
 
 def test_validate_is_exact_on_data_generated_by_the_model(tmp_path):
-    true = pm.HARDWARE["cpu"].replace(step_overhead_s=7e-3, bw_eff=0.8, m_half=15.0, host_overhead_s=1.5e-3,
-                                      sample_s_per_logit=1.5e-8)
+    true = pm.HARDWARE["cpu"].replace(
+        step_overhead_s=7e-3, bw_eff=0.8, m_half=15.0, host_overhead_s=1.5e-3, sample_s_per_logit=1.5e-8
+    )
     v = pm.validate(_synthetic_results(tmp_path, true))
     hw = v["hardware"]
     assert hw["step_overhead_s"] == pytest.approx(7e-3, rel=1e-3)
@@ -224,7 +329,9 @@ def test_qwen_prediction_single_and_two_devices():
 def test_cli_json_and_markdown(capsys):
     assert perfmodel_cli.main(["--predict", "paper", "qwen-h200", "--acceptance-from", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["paper"]["predictions"]["ssd"]["tokens_per_s"] > doc["paper"]["predictions"]["ar"]["tokens_per_s"]
+    assert (
+        doc["paper"]["predictions"]["ssd"]["tokens_per_s"] > doc["paper"]["predictions"]["ar"]["tokens_per_s"]
+    )
     assert perfmodel_cli.main(["--predict", "paper"]) == 0
     assert "SSD / AR" in capsys.readouterr().out
 
@@ -232,11 +339,26 @@ def test_cli_json_and_markdown(capsys):
 def test_measure_forward_on_a_tiny_model(tmp_path):
     from ssd_jax.models.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, dtype="float32")
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+    )
     out = tmp_path / "fwd.json"
-    res = pm.measure_forward(["tiny"], dtype="float32", shapes=((1, 1), (1, 3)), context=8, repeats=2,
-                             out=str(out), configs={"tiny": cfg})
+    res = pm.measure_forward(
+        ["tiny"],
+        dtype="float32",
+        shapes=((1, 1), (1, 3)),
+        context=8,
+        repeats=2,
+        out=str(out),
+        configs={"tiny": cfg},
+    )
     assert json.loads(out.read_text())["rows"] == res["rows"]
     assert [(r["batch"], r["tokens"]) for r in res["rows"]] == [(1, 1), (1, 3)]
     assert all(r["seconds"] > 0 for r in res["rows"])
@@ -246,8 +368,10 @@ def test_measure_forward_on_a_tiny_model(tmp_path):
 
 def test_update_doc_rewrites_only_the_marked_blocks(tmp_path):
     doc = tmp_path / "doc.md"
-    doc.write_text("intro\n<!-- perfmodel:hardware -->\nold\n<!-- /perfmodel:hardware -->\nprose\n"
-                   "<!-- perfmodel:paper -->\nold\n<!-- /perfmodel:paper -->\nend\n")
+    doc.write_text(
+        "intro\n<!-- perfmodel:hardware -->\nold\n<!-- /perfmodel:hardware -->\nprose\n"
+        "<!-- perfmodel:paper -->\nold\n<!-- /perfmodel:paper -->\nend\n"
+    )
     pm.update_doc(str(doc), [])
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("end\n") and "prose" in text

@@ -13,9 +13,20 @@ TARGET = "smollm2-135m-instruct"
 
 
 def _run(method, cat, prompt, repeat, tok_s, b=1, tpr=None, acc=None):
-    return {"kind": "run", "batch_size": b, "category": cat, "prompt_index": prompt, "repeat": repeat,
-            "method": method, "new_tokens": 48, "loadavg_before": 2.0, "loadavg_after": 2.2, "decode_tok_s": tok_s,
-            "tokens_per_round": tpr, "acceptance_rate": acc}
+    return {
+        "kind": "run",
+        "batch_size": b,
+        "category": cat,
+        "prompt_index": prompt,
+        "repeat": repeat,
+        "method": method,
+        "new_tokens": 48,
+        "loadavg_before": 2.0,
+        "loadavg_after": 2.2,
+        "decode_tok_s": tok_s,
+        "tokens_per_round": tpr,
+        "acceptance_rate": acc,
+    }
 
 
 def _write_protocol(path, runs, draft=None):
@@ -24,25 +35,45 @@ def _write_protocol(path, runs, draft=None):
 
 
 def _split(tmp_path, **kw):
-    sp = {"sources": ["res/protocol_*.jsonl"], "fit_constants": ["step_overhead_s"], "hardware": "cpu",
-          "fit": [{"label": "fit", "glob": "res/protocol_a.jsonl", "where": {"batch": 1, "kind": ["ar"]}}],
-          "holdout": [{"label": "batch > 1", "where": {"batch": {"min": 2}}},
-                      {"label": "n-gram", "where": {"kind": "ngram"}}], **kw}
+    sp = {
+        "sources": ["res/protocol_*.jsonl"],
+        "fit_constants": ["step_overhead_s"],
+        "hardware": "cpu",
+        "fit": [{"label": "fit", "glob": "res/protocol_a.jsonl", "where": {"batch": 1, "kind": ["ar"]}}],
+        "holdout": [
+            {"label": "batch > 1", "where": {"batch": {"min": 2}}},
+            {"label": "n-gram", "where": {"kind": "ngram"}},
+        ],
+        **kw,
+    }
     p = tmp_path / "split.json"
     p.write_text(json.dumps(sp))
     return p
 
 
 def test_split_rules_match_and_label():
-    cell = {"file": "experiments/results/protocol_cpu_qwen_b16.jsonl", "batch": 16, "kind": "sd", "target": "q"}
-    assert ps.matches({"glob": "experiments/results/protocol_cpu_*.jsonl", "where": {"batch": {"min": 2}}}, cell)
+    cell = {
+        "file": "experiments/results/protocol_cpu_qwen_b16.jsonl",
+        "batch": 16,
+        "kind": "sd",
+        "target": "q",
+    }
+    assert ps.matches(
+        {"glob": "experiments/results/protocol_cpu_*.jsonl", "where": {"batch": {"min": 2}}}, cell
+    )
     assert not ps.matches({"where": {"batch": {"max": 1}}}, cell)
     assert ps.matches({"where": {"kind": ["ar", "sd"], "target": {"not": ["smollm2"]}}}, cell)
     assert not ps.matches({"where": {"target": {"not": "q"}}}, cell)
-    split = {"fit": [{"glob": "a.jsonl", "where": {"batch": 1}}], "holdout": [{"label": "big", "where": {"batch": 16}}]}
+    split = {
+        "fit": [{"glob": "a.jsonl", "where": {"batch": 1}}],
+        "holdout": [{"label": "big", "where": {"batch": 16}}],
+    }
     cells = ps.assign(split, [dict(cell), {"file": "a.jsonl", "batch": 1}, {"file": "new.jsonl", "batch": 1}])
     assert [(c["in_sample"], c["label"]) for c in cells] == [
-        (False, "big"), (True, "fit"), (False, "held out (no rule: other run)")]
+        (False, "big"),
+        (True, "fit"),
+        (False, "held out (no rule: other run)"),
+    ]
 
 
 def test_load_split_rejects_unknown_fields(tmp_path):
@@ -113,11 +144,13 @@ def test_fit_recovers_a_known_step_overhead(tmp_path):
 
 
 def test_error_summary_max_and_mean():
-    cells = [{"in_sample": True, "kind": "ar", "rel_err": 0.1, "in_ci": True},
-             {"in_sample": True, "kind": "ar", "rel_err": -0.3, "in_ci": False},
-             {"in_sample": False, "kind": "sd", "rel_err": 0.5, "in_ci": None},
-             {"in_sample": False, "kind": "sd", "rel_err": -0.2, "in_ci": False},
-             {"in_sample": False, "kind": "ssd", "rel_err": None, "in_ci": None}]
+    cells = [
+        {"in_sample": True, "kind": "ar", "rel_err": 0.1, "in_ci": True},
+        {"in_sample": True, "kind": "ar", "rel_err": -0.3, "in_ci": False},
+        {"in_sample": False, "kind": "sd", "rel_err": 0.5, "in_ci": None},
+        {"in_sample": False, "kind": "sd", "rel_err": -0.2, "in_ci": False},
+        {"in_sample": False, "kind": "ssd", "rel_err": None, "in_ci": None},
+    ]
     s = {(r["sample"], r["kind"]): r for r in ps.error_summary(cells)}
     assert s[("in", "ar")]["max_abs_err"] == pytest.approx(0.3)
     assert s[("in", "ar")]["mean_abs_err"] == pytest.approx(0.2)

@@ -24,7 +24,9 @@ def test_t_quantile_table_and_expansion():
 
 def test_mean_ci_known_interval():
     m, lo, hi = mean_ci([1, 2, 3, 4, 5])  # sd = sqrt(2.5), se = sqrt(0.5), t(4) = 2.7764
-    assert (m, lo, hi) == pytest.approx((3.0, 3 - 2.7764 * math.sqrt(0.5), 3 + 2.7764 * math.sqrt(0.5)), abs=1e-4)
+    assert (m, lo, hi) == pytest.approx(
+        (3.0, 3 - 2.7764 * math.sqrt(0.5), 3 + 2.7764 * math.sqrt(0.5)), abs=1e-4
+    )
     assert (m, lo, hi) == pytest.approx((3.0, 1.03679, 4.96321), abs=1e-4)
     assert mean_ci([7.0])[0] == 7.0 and math.isnan(mean_ci([7.0])[1])
     assert all(math.isnan(x) for x in mean_ci([]))
@@ -80,8 +82,14 @@ class Fake:
 
     def __call__(self, prompts, new_tokens):
         self.log.append(self.tok_s)
-        return {"generated_tokens": new_tokens, "wall_s": new_tokens / self.tok_s, "ttft_s": 0.0,
-                "decode_tok_s": self.tok_s, "e2e_tok_s": self.tok_s / 2, "token_ids": [[1] * new_tokens]}
+        return {
+            "generated_tokens": new_tokens,
+            "wall_s": new_tokens / self.tok_s,
+            "ttft_s": 0.0,
+            "decode_tok_s": self.tok_s,
+            "e2e_tok_s": self.tok_s / 2,
+            "token_ids": [[1] * new_tokens],
+        }
 
 
 def test_resume_skips_finished_runs_and_ratios_come_out_exact(tmp_path):
@@ -107,7 +115,9 @@ def test_resume_skips_finished_runs_and_ratios_come_out_exact(tmp_path):
         protocol.run_protocol(runners, _units(), path, repeats=3, new_tokens=5, progress=False)
     other = {"code": [{"id": "x", "prompt": [9]}] * 4, "chat": [{"id": "y", "prompt": [9]}] * 4}
     with pytest.raises(protocol.UserError):
-        protocol.run_protocol(runners, protocol.build_units(other, 2, 1), path, repeats=3, new_tokens=4, progress=False)
+        protocol.run_protocol(
+            runners, protocol.build_units(other, 2, 1), path, repeats=3, new_tokens=4, progress=False
+        )
 
 
 @pytest.mark.slow  # ~20 s; by default test_cli_suite_protocol_on_a_tiny_checkpoint runs the suite end to end
@@ -115,11 +125,19 @@ def test_tiny_end_to_end_protocol(tmp_path, pair):
     target, draft = pair
     specs = protocol.method_specs(["ar", "sd:2", "ngram:2", "ssd:2"], draft)
     runners = {n: protocol.EngineRunner(target, s) for n, s in specs.items()}
-    recs = {"code": [{"id": "a", "prompt": [3, 17, 29, 3, 17]}, {"id": "b", "prompt": [5, 6, 7, 5, 6, 7]}],
-            "copy": [{"id": "c", "prompt": [90, 91, 92, 90, 91]}, {"id": "d", "prompt": [77, 78]}]}
-    path = protocol.run_protocol(runners, protocol.build_units(recs, 2, 1), tmp_path / "tiny.jsonl", repeats=2,
-                                 new_tokens=8, progress=False,
-                                 env_extra={"roofline_ar_tok_s_per_row": protocol.ar_roofline(target.cfg, 10.0)})
+    recs = {
+        "code": [{"id": "a", "prompt": [3, 17, 29, 3, 17]}, {"id": "b", "prompt": [5, 6, 7, 5, 6, 7]}],
+        "copy": [{"id": "c", "prompt": [90, 91, 92, 90, 91]}, {"id": "d", "prompt": [77, 78]}],
+    }
+    path = protocol.run_protocol(
+        runners,
+        protocol.build_units(recs, 2, 1),
+        tmp_path / "tiny.jsonl",
+        repeats=2,
+        new_tokens=8,
+        progress=False,
+        env_extra={"roofline_ar_tok_s_per_row": protocol.ar_roofline(target.cfg, 10.0)},
+    )
     rows = protocol.read_rows(path)
     assert len([r for r in rows if r["kind"] == "run"]) == 4 * 4 * 2
     summ = protocol.summarize(rows)
@@ -134,8 +152,14 @@ def test_cli_rerenders_a_protocol_file(tmp_path):
     from ssd_jax.cli.bench import main
 
     log = []
-    path = protocol.run_protocol({"ar": Fake(10.0, log), "x": Fake(5.0, log)}, _units(), tmp_path / "r.jsonl",
-                                 repeats=1, new_tokens=2, progress=False)
+    path = protocol.run_protocol(
+        {"ar": Fake(10.0, log), "x": Fake(5.0, log)},
+        _units(),
+        tmp_path / "r.jsonl",
+        repeats=1,
+        new_tokens=2,
+        progress=False,
+    )
     path.with_suffix(".md").unlink(missing_ok=True)
     assert main(["--protocol-report", str(path)]) == 0
     assert "0.50x [0.50, 0.50]" in path.with_suffix(".md").read_text()
@@ -145,11 +169,40 @@ def test_cli_suite_protocol_on_a_tiny_checkpoint(tmp_path, tiny_llama_path, monk
     """``--suite protocol`` end to end (batch 1 and 2) on a tokenizer-free tiny checkpoint: token-id prompts."""
     from ssd_jax.cli.bench import main
 
-    monkeypatch.setattr(protocol, "category_prompts",
-                        lambda c, n: [{"id": f"{c}{i}", "prompt": [3 + i, 9, 11, 3 + i, 9]} for i in range(n)])
-    rc = main(["--suite", "protocol", "--target", tiny_llama_path, "--methods", "ar", "ngram:2", "--categories",
-               "code", "copy", "--n-prompts", "2", "--repeats", "1", "--batch-sizes", "1", "2", "--new-tokens", "6",
-               "--bandwidth", "10", "--out", str(tmp_path), "--tag", "tiny"])
+    monkeypatch.setattr(
+        protocol,
+        "category_prompts",
+        lambda c, n: [{"id": f"{c}{i}", "prompt": [3 + i, 9, 11, 3 + i, 9]} for i in range(n)],
+    )
+    rc = main(
+        [
+            "--suite",
+            "protocol",
+            "--target",
+            tiny_llama_path,
+            "--methods",
+            "ar",
+            "ngram:2",
+            "--categories",
+            "code",
+            "copy",
+            "--n-prompts",
+            "2",
+            "--repeats",
+            "1",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--new-tokens",
+            "6",
+            "--bandwidth",
+            "10",
+            "--out",
+            str(tmp_path),
+            "--tag",
+            "tiny",
+        ]
+    )
     assert rc == 0
     rows = protocol.read_rows(next(tmp_path.glob("protocol_*_tiny.jsonl")))
     runs = [r for r in rows if r["kind"] == "run"]

@@ -45,7 +45,11 @@ def _hf_greedy(model, ids, steps):
 
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids]),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
             min_new_tokens=steps,
         )
     return out[0, len(ids) :].tolist()
@@ -76,8 +80,15 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
 
 
 # default-suite budget (15 min on 2 cores): the shipped draft runs by default with its trimmed head
-@pytest.mark.parametrize("drafter", [pytest.param("tiny", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow),
-                                     pytest.param("shipped", marks=pytest.mark.slow), "shipped-vocab2048"])
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        pytest.param("tiny", marks=pytest.mark.slow),
+        pytest.param("ngram", marks=pytest.mark.slow),
+        pytest.param("shipped", marks=pytest.mark.slow),
+        "shipped-vocab2048",
+    ],
+)
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     """Real target, a different draft (a tiny random model sharing its vocabulary), n-gram lookup,
     or the trained draft shipped in checkpoints/ (the default draft of this target), also with its
@@ -87,9 +98,12 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     from ssd_jax.models.params import init_params
 
     if drafter == "tiny":
-        cfg = ours.cfg.replace(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                               head_dim=16)
-        draft = dataclasses.replace(ours, name="tiny-random-draft", cfg=cfg, params=init_params(cfg, 0, scale=0.05))
+        cfg = ours.cfg.replace(
+            num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16
+        )
+        draft = dataclasses.replace(
+            ours, name="tiny-random-draft", cfg=cfg, params=init_params(cfg, 0, scale=0.05)
+        )
     elif drafter.startswith("shipped"):
         from ssd_jax.drafters import default_draft
 
@@ -107,7 +121,9 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     from ssd_jax.drafters.vocab import head_vocab
 
     # the shipped draft was trained with an 8192-token head and loads with it unless told otherwise
-    assert sd.metrics.get("draft_vocab") == (vocab or head_vocab(draft)) == {"shipped": 8192}.get(drafter, vocab)
+    assert (
+        sd.metrics.get("draft_vocab") == (vocab or head_vocab(draft)) == {"shipped": 8192}.get(drafter, vocab)
+    )
     check_round_accounting(sd, k=3, fixed_k=drafter != "ngram")  # n-gram proposals can be short
     if drafter.startswith("shipped"):  # trained, not random: it agrees with the target well above chance
         assert sd.metrics["acceptance_rate"] > 0.1
@@ -119,9 +135,25 @@ def test_cli_refuses_a_draft_with_another_tokenizer():
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "ssd_jax.decode", "--target", "smollm2-135m-instruct", "--draft",
-         "qwen2.5-coder-0.5b-instruct", "--method", "sd", "--prompt", "hi", "--max-new-tokens", "4"],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "ssd_jax.decode",
+            "--target",
+            "smollm2-135m-instruct",
+            "--draft",
+            "qwen2.5-coder-0.5b-instruct",
+            "--method",
+            "sd",
+            "--prompt",
+            "hi",
+            "--max-new-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if "unknown model" in r.stderr or "could not download" in r.stderr:
         pytest.skip("qwen draft not available offline")
@@ -137,15 +169,21 @@ def test_stop_strings_cut_the_text(ours):
     # a 3-character stop without whitespace, from the middle of the greedy text
     i = next(j for j in range(len(text) // 2, len(text) - 3) if not any(c.isspace() for c in text[j : j + 3]))
     stop = text[i : i + 3]
-    cut = ssd_jax.generate(ours, [PROMPTS[0]], ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,)))
+    cut = ssd_jax.generate(
+        ours, [PROMPTS[0]], ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,))
+    )
     out = cut.outputs[0]
     assert out["finish_reason"] == "stop"
     assert out["text"] == text[: text.find(stop)]
     assert stop not in out["text"]
     assert full["token_ids"][: len(out["token_ids"])] == out["token_ids"]  # same tokens up to the stop
     # the same stop through SD (n-gram drafter: several tokens per round, cut mid-round)
-    sd = ssd_jax.generate(ours, [PROMPTS[0]], ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,)),
-                          ssd_jax.SpecConfig(method="sd", draft="ngram", k=4))
+    sd = ssd_jax.generate(
+        ours,
+        [PROMPTS[0]],
+        ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,)),
+        ssd_jax.SpecConfig(method="sd", draft="ngram", k=4),
+    )
     assert sd.outputs[0]["text"] == out["text"] and sd.outputs[0]["token_ids"] == out["token_ids"]
 
 
@@ -153,7 +191,10 @@ def test_stop_strings_cut_the_text(ours):
 def test_streamed_text_is_the_decoded_text(ours):
     """Incremental detokenisation: the streamed pieces add up to decode(token_ids), multi-byte
     characters included, at any temperature, and the stop-string cut is the full-text cut."""
-    prompts = ["Écris une phrase en français avec des accents: é, è, à, ç.", "Emoji party: 🎉🚀✨ and 中文 text"]
+    prompts = [
+        "Écris une phrase en français avec des accents: é, è, à, ç.",
+        "Emoji party: 🎉🚀✨ and 中文 text",
+    ]
     sp = ssd_jax.SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=4)
     pieces = {0: [], 1: []}
     res = ssd_jax.generate(ours, prompts, sp, on_text=lambda row, t: pieces[row].append(t))
@@ -177,8 +218,12 @@ def test_ssd_greedy_equals_ar_on_smollm(ours):
     import dataclasses
 
     cfg = ours.cfg.replace(num_layers=8)
-    draft = dataclasses.replace(ours, name="smollm2-first-8-layers", cfg=cfg,
-                                params={**ours.params, "layers": ours.params["layers"][:8]})
+    draft = dataclasses.replace(
+        ours,
+        name="smollm2-first-8-layers",
+        cfg=cfg,
+        params={**ours.params, "layers": ours.params["layers"][:8]},
+    )
     ids = [ours.tokenizer.encode(p) for p in PROMPTS[:3]]
     sp = ssd_jax.SamplingParams(max_new_tokens=24, ignore_eos=True)
     ar = ssd_jax.generate(ours, ids, sp)

@@ -21,9 +21,21 @@ PROMPTS = [[3, 17, 29, 3, 17], [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7], [77], [90, 
 
 
 def tiny_model(seed, vocab=128, name=None, layers=2, scale=0.15, **kw):
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(1,), **kw)
-    return LoadedModel(name or f"tiny-{seed}", cfg, init_params(cfg, seed, scale=scale), None, f"seed{seed}", "")
+    cfg = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_ids=(1,),
+        **kw,
+    )
+    return LoadedModel(
+        name or f"tiny-{seed}", cfg, init_params(cfg, seed, scale=scale), None, f"seed{seed}", ""
+    )
 
 
 def _ids(res):
@@ -36,7 +48,9 @@ def test_greedy_sd_equals_greedy_ar(pair, ar_ref, k, drafter):
     target, draft = pair
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ar = ar_ref
-    res = generate(target, PROMPTS, sp, SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=k))
+    res = generate(
+        target, PROMPTS, sp, SpecConfig(method="sd", draft=draft if drafter == "model" else drafter, k=k)
+    )
     assert _ids(res) == ar
     check_round_accounting(res, k, fixed_k=drafter != "ngram")
     assert len(res.metrics["per_position_acceptance"]) == k
@@ -50,7 +64,10 @@ def check_round_accounting(res, k, fixed_k=True):
         n_tok = len(o["token_ids"])
         emitted = np.cumsum([a + 1 for a in tr])
         # the prefill gives the first token; every round emits accepted + 1; only the last may be cut short
-        assert len(tr) >= 1 and emitted[-1] >= n_tok - 1 and (len(tr) == 1 or emitted[-2] < n_tok - 1), (tr, n_tok)
+        assert len(tr) >= 1 and emitted[-1] >= n_tok - 1 and (len(tr) == 1 or emitted[-2] < n_tok - 1), (
+            tr,
+            n_tok,
+        )
         assert all(0 <= a <= k for a in tr)
         assert o["metrics"]["verify_steps"] == len(tr)
     assert m["verify_steps"] == max(len(t) for t in traces)
@@ -85,11 +102,24 @@ def test_ragged_acceptance_and_eos(pair, ar_ref):
 
 def test_metrics_contract(pair):
     target, draft = pair
-    res = generate(target, PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),
-                   SpecConfig(method="sd", draft=draft, k=3, profile_stages=True))
+    res = generate(
+        target,
+        PROMPTS[:2],
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        SpecConfig(method="sd", draft=draft, k=3, profile_stages=True),
+    )
     m = res.metrics
-    for key in ("acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "acceptance_histogram",
-                "verify_steps", "draft_s", "verify_s", "sample_s", "overhead_s"):
+    for key in (
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "per_position_acceptance",
+        "acceptance_histogram",
+        "verify_steps",
+        "draft_s",
+        "verify_s",
+        "sample_s",
+        "overhead_s",
+    ):
         assert key in m
     # the stages are disjoint parts of the decode time
     stages = m["draft_s"] + m["verify_s"] + m["sample_s"]
@@ -125,7 +155,8 @@ def test_one_call_rounds_equal_profiled_rounds(small_pair, drafter):
         runtime.Compiled.__call__ = real
     assert _ids(fused) == _ids(prof)
     assert [o["metrics"]["accepted_per_round"] for o in fused.outputs] == [
-        o["metrics"]["accepted_per_round"] for o in prof.outputs]
+        o["metrics"]["accepted_per_round"] for o in prof.outputs
+    ]
     assert fused.metrics["draft_s"] is None and prof.metrics["draft_s"] > 0
     rounds = fused.metrics["verify_steps"]
     # one call per round (plus at most one round queued past the end), beside the prefills
@@ -148,7 +179,9 @@ def test_bad_spec(pair):
     with pytest.raises(UserError, match="k must be"):
         generate(target, PROMPTS, SamplingParams(), SpecConfig(method="sd", draft="ngram", k=0))
     with pytest.raises(UserError, match="context window"):
-        generate(target, PROMPTS, SamplingParams(max_new_tokens=500), SpecConfig(method="sd", draft=draft, k=16))
+        generate(
+            target, PROMPTS, SamplingParams(max_new_tokens=500), SpecConfig(method="sd", draft=draft, k=16)
+        )
     with pytest.raises(UserError, match="needs a draft"):
         generate(target, PROMPTS, SamplingParams(), SpecConfig(method="sd", k=2))
 
@@ -195,11 +228,19 @@ def chi2_stat(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, int
 def exact_pair_distribution(target, prompt, rs_one, needs_filter):
     """P(t2, t3) of the 2nd and 3rd generated tokens, summing over the 1st, by enumeration."""
     cfg = target.cfg
-    fwd = jax.jit(lambda ids: llama.logits(target.params, cfg, llama.forward(target.params, cfg, ids, llama.init_cache(cfg, ids.shape[0], 32))[0]))
+    fwd = jax.jit(
+        lambda ids: llama.logits(
+            target.params,
+            cfg,
+            llama.forward(target.params, cfg, ids, llama.init_cache(cfg, ids.shape[0], 32))[0],
+        )
+    )
 
     def dist(ctx_batch):
         lg = fwd(jnp.asarray(ctx_batch, jnp.int32))[:, -1]
-        rs = RowSampling(*(jnp.broadcast_to(x, (lg.shape[0],)) for x in (rs_one.temperature, rs_one.top_k, rs_one.top_p)))
+        rs = RowSampling(
+            *(jnp.broadcast_to(x, (lg.shape[0],)) for x in (rs_one.temperature, rs_one.top_k, rs_one.top_p))
+        )
         return np.exp(np.asarray(filter_logprobs(lg, rs, needs_filter), np.float64))
 
     V = cfg.vocab_size
@@ -212,7 +253,9 @@ def exact_pair_distribution(target, prompt, rs_one, needs_filter):
 
 
 def sampled_pairs(target, spec, sampling, prompt):
-    res = generate(target, [prompt], dataclasses.replace(sampling, n=N_SAMPLES, max_new_tokens=3, ignore_eos=True), spec)
+    res = generate(
+        target, [prompt], dataclasses.replace(sampling, n=N_SAMPLES, max_new_tokens=3, ignore_eos=True), spec
+    )
     toks = np.asarray([o["token_ids"][:3] for o in res.outputs])
     counts = np.bincount(toks[:, 1] * V_SMALL + toks[:, 2], minlength=V_SMALL * V_SMALL)
     return counts, res.metrics
@@ -283,7 +326,11 @@ def test_ngram_rounds_without_proposals_are_single_steps(pair, ar_ref, profile):
     empty = res.metrics["rounds_without_proposals"]
     assert 0 < empty < res.metrics["verify_steps"]
     # a lone one-token prompt has nothing to look up in its first round
-    one = generate(target, [[77]], SamplingParams(max_new_tokens=6, ignore_eos=True),
-                   SpecConfig(method="sd", draft="ngram", k=3, profile_stages=profile))
+    one = generate(
+        target,
+        [[77]],
+        SamplingParams(max_new_tokens=6, ignore_eos=True),
+        SpecConfig(method="sd", draft="ngram", k=3, profile_stages=profile),
+    )
     assert one.metrics["rounds_without_proposals"] >= 1
     assert one.metrics["acceptance_histogram"][0] >= one.metrics["rounds_without_proposals"]

@@ -19,15 +19,19 @@ from ssd_jax.cli import sdsl as sdsl_cli
 # --- Lambert W₋₁ ------------------------------------------------------------------------
 def test_lambertw_m1_solves_w_exp_w_over_the_branch():
     e_inv = math.exp(-1.0)
-    z = -e_inv * np.array([1.0, 1 - 1e-15, 1 - 1e-12, 1 - 1e-8, 1 - 1e-4, 0.99, 0.9, 0.5, 0.1,
-                           1e-3, 1e-10, 1e-50, 1e-100])
+    z = -e_inv * np.array(
+        [1.0, 1 - 1e-15, 1 - 1e-12, 1 - 1e-8, 1 - 1e-4, 0.99, 0.9, 0.5, 0.1, 1e-3, 1e-10, 1e-50, 1e-100]
+    )
     w = sdsl.lambertw_m1(z)
     assert np.all(w <= -1.0)
     chex.assert_trees_all_close(w * np.exp(w), z, rtol=1e-12, atol=0.0)
     assert w[0] == -1.0  # the branch point
     # values of W₋₁ from the literature
-    chex.assert_trees_all_close(sdsl.lambertw_m1(np.array([-0.1, -0.2, -1e-3])),
-                                np.array([-3.577152063957297, -2.542641357773527, -9.118006470402742]), rtol=1e-12)
+    chex.assert_trees_all_close(
+        sdsl.lambertw_m1(np.array([-0.1, -0.2, -1e-3])),
+        np.array([-3.577152063957297, -2.542641357773527, -9.118006470402742]),
+        rtol=1e-12,
+    )
 
 
 def test_lambertw_m1_log_form_handles_underflowing_z():
@@ -58,7 +62,9 @@ def test_gamma_star_paper_check_and_brute_force():
     chex.assert_trees_all_close(sdsl.gamma_star(0.7, 70e9 / 100e6), g, rtol=1e-12)
 
 
-@pytest.mark.parametrize("alpha,r", [(0.5, 20.0), (0.8, 50.0), (0.9, 300.0), (0.6, 1000.0), (0.95, 5000.0), (0.3, 3.0)])
+@pytest.mark.parametrize(
+    "alpha,r", [(0.5, 20.0), (0.8, 50.0), (0.9, 300.0), (0.6, 1000.0), (0.95, 5000.0), (0.3, 3.0)]
+)
 def test_gamma_star_matches_brute_force(alpha, r):
     assert abs(float(sdsl.gamma_star(alpha, r)) - _brute_force_gamma(alpha, r)) <= 2e-4
 
@@ -100,7 +106,9 @@ def test_speedup_and_throughput_agree():
 # --- laws ---------------------------------------------------------------------------------
 def test_alpha_from_ppl():
     chex.assert_trees_all_close(sdsl.alpha_from_ppl(10.0, 8.0), 0.679, atol=5e-4)
-    chex.assert_trees_all_close(sdsl.alpha_from_ppl(10.0, 8.0), -0.0067 * 10 + 0.01297 * 8 + 0.642, rtol=1e-14)
+    chex.assert_trees_all_close(
+        sdsl.alpha_from_ppl(10.0, 8.0), -0.0067 * 10 + 0.01297 * 8 + 0.642, rtol=1e-14
+    )
     # the linear law leaves (0, 1) for very weak drafts: clipped unless asked not to
     assert sdsl.alpha_from_ppl(500.0, 8.0) == sdsl.ALPHA_EPS
     assert sdsl.alpha_from_ppl(500.0, 8.0, clip=False) < 0
@@ -108,7 +116,9 @@ def test_alpha_from_ppl():
 
 def test_loss_law():
     chex.assert_trees_all_close(sdsl.loss(np.inf, np.inf), 1.69)
-    chex.assert_trees_all_close(sdsl.loss(1e9, 1e12), 1.69 + 406.4 / 1e9**0.34 + 410.7 / 1e12**0.28, rtol=1e-14)
+    chex.assert_trees_all_close(
+        sdsl.loss(1e9, 1e12), 1.69 + 406.4 / 1e9**0.34 + 410.7 / 1e12**0.28, rtol=1e-14
+    )
     chex.assert_trees_all_close(sdsl.perplexity(1e9, 1e12), np.exp(sdsl.loss(1e9, 1e12)), rtol=1e-14)
 
 
@@ -210,15 +220,18 @@ def test_cli_text_and_fit(capsys):
     assert "mu = " in out and "M0 = " in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--target-params", "0"], "positive"),
-    (["--target-params=-7e9"], "positive"),
-    (["--target-params", "seventy"], "not a number"),
-    (["--target", "no-such-model-xyz"], "unknown model"),
-    (["--target-params", "70e9", "--tokens", "0"], "positive"),
-    ([], "--target"),
-    (["--no-such-flag"], "unrecognized"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--target-params", "0"], "positive"),
+        (["--target-params=-7e9"], "positive"),
+        (["--target-params", "seventy"], "not a number"),
+        (["--target", "no-such-model-xyz"], "unknown model"),
+        (["--target-params", "70e9", "--tokens", "0"], "positive"),
+        ([], "--target"),
+        (["--no-such-flag"], "unrecognized"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(capsys, args, needle):
     try:
         rc = sdsl_cli.main(args)
@@ -231,9 +244,17 @@ def test_cli_target_counts_parameters_from_config(tmp_path, capsys):
     from ssd_jax.models.config import ModelConfig
     from ssd_jax.models.params import count_params
 
-    hf = dict(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-              num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-              max_position_embeddings=2048, tie_word_embeddings=False)
+    hf = dict(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     (tmp_path / "config.json").write_text(json.dumps(hf))
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: only the config is
     total = count_params(ModelConfig.from_hf(hf), include_embeddings=True)
@@ -245,10 +266,18 @@ def test_cli_target_counts_parameters_from_config(tmp_path, capsys):
 
 
 def test_cli_module_entry_point():
-    r = subprocess.run([sys.executable, "-m", "ssd_jax.sdsl", "--target-params", "70e9", "--json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ssd_jax.sdsl", "--target-params", "70e9", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert abs(json.loads(r.stdout)["n_opt"] / 0.28e9 - 1) < 0.1
-    r = subprocess.run([sys.executable, "-m", "ssd_jax.sdsl", "--target-params", "-1"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "ssd_jax.sdsl", "--target-params", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""

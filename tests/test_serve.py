@@ -20,11 +20,28 @@ httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.realmodel  # SmolLM2's tokenizer comes from the registry
 
 NAME = "served"
-PROMPTS = ["The capital of France is", "def fib(n):", "One, two, three, four,", "Water boils at",
-           "Once upon a time", "import numpy as np", "SELECT * FROM", "Dear Sir or Madam,"]
+PROMPTS = [
+    "The capital of France is",
+    "def fib(n):",
+    "One, two, three, four,",
+    "Water boils at",
+    "Once upon a time",
+    "import numpy as np",
+    "SELECT * FROM",
+    "Dear Sir or Madam,",
+]
 MAX_TOKENS = [12, 8, 16, 10, 5, 14, 7, 11]
 # two attention windows, 80 and 160 slots: short requests run in the first, long ones cross into the second
-SERVER_FLAGS = ["--served-model-name", NAME, "--max-model-len", "160", "--prefill-chunk", "16", "--context-buckets", "2"]
+SERVER_FLAGS = [
+    "--served-model-name",
+    NAME,
+    "--max-model-len",
+    "160",
+    "--prefill-chunk",
+    "16",
+    "--context-buckets",
+    "2",
+]
 
 
 def _tiny_dir(path, tokenizer, layers: int, seed: int) -> str:
@@ -32,10 +49,18 @@ def _tiny_dir(path, tokenizer, layers: int, seed: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                      bos_token_id=tokenizer.bos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -62,10 +87,34 @@ class _Servers:
     """Servers of one pair, each started on first use: AR (4 slots), SD with the draft model (K auto,
     calibrated at start-up, 4 slots) and SD with n-gram (K = 3, 2 slots)."""
 
-    FLAGS = {"ar": ["--max-batch", "4", "--max-waiting", "40"],
-             "sd": ["--method", "sd", "--draft", "{draft}", "--k", "auto", "--max-batch", "4", "--max-waiting", "40"],
-             "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
-             "ssd": ["--method", "ssd", "--draft", "{draft}", "--k", "2", "--max-batch", "4", "--max-waiting", "40"]}
+    FLAGS = {
+        "ar": ["--max-batch", "4", "--max-waiting", "40"],
+        "sd": [
+            "--method",
+            "sd",
+            "--draft",
+            "{draft}",
+            "--k",
+            "auto",
+            "--max-batch",
+            "4",
+            "--max-waiting",
+            "40",
+        ],
+        "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
+        "ssd": [
+            "--method",
+            "ssd",
+            "--draft",
+            "{draft}",
+            "--k",
+            "2",
+            "--max-batch",
+            "4",
+            "--max-waiting",
+            "40",
+        ],
+    }
 
     def __init__(self, target, draft):
         self.target, self.draft, self.started = target, draft, {}
@@ -92,7 +141,9 @@ def servers(pair):
         import re
 
         expected = float(re.search(r"expected ([0-9.]+)x AR", errs["sd"][1]).group(1))
-        assert ("--method ar may serve faster" in errs["sd"][1]) == (expected < 1.0)  # warned iff SD should lose
+        assert ("--method ar may serve faster" in errs["sd"][1]) == (
+            expected < 1.0
+        )  # warned iff SD should lose
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for _, err in errs.values():
@@ -108,7 +159,9 @@ def offline(pair):
     res = generate(model, PROMPTS, SamplingParams(max_new_tokens=max(MAX_TOKENS)))
     plain = [o["token_ids"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
     chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12), chat=True).outputs[0]
-    seeded = generate(model, [PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)).outputs[0]
+    seeded = generate(
+        model, [PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)
+    ).outputs[0]
     return plain, chat, seeded
 
 
@@ -119,8 +172,14 @@ def test_openai_client_matches_offline(servers, offline):
     assert r.choices[0].model_extra["token_ids"] == plain[0]
     assert r.usage.completion_tokens == len(plain[0])
     # streamed: the pieces concatenate to the non-streamed text; usage comes in a last chunk without choices
-    s = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0, stream=True,
-                             stream_options={"include_usage": True})
+    s = c.completions.create(
+        model=NAME,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_TOKENS[0],
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(s)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
     assert chunks[-1].usage.completion_tokens == len(plain[0]) and not chunks[-1].choices
@@ -146,23 +205,37 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     for p, m, ref in zip(PROMPTS[:4], MAX_TOKENS, offline[0]):
         r = c.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0)
         assert r.choices[0].model_extra["token_ids"] == ref
-    s = c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0, stream=True)
-    assert "".join(ch.choices[0].text for ch in s if ch.choices) == c.completions.create(
-        model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0).choices[0].text
+    s = c.completions.create(
+        model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0, stream=True
+    )
+    assert (
+        "".join(ch.choices[0].text for ch in s if ch.choices)
+        == c.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0)
+        .choices[0]
+        .text
+    )
     after = metrics(url)
     d = {k: after[k] - before.get(k, 0.0) for k in after}
-    drafts, drafted = d["ssd_jax:spec_decode_num_drafts_total"], d["ssd_jax:spec_decode_num_draft_tokens_total"]
+    drafts, drafted = (
+        d["ssd_jax:spec_decode_num_drafts_total"],
+        d["ssd_jax:spec_decode_num_draft_tokens_total"],
+    )
     accepted = d["ssd_jax:spec_decode_num_accepted_tokens_total"]
     assert drafts > 0 and 0 <= accepted <= drafted <= 8 * drafts  # K <= 8 (K auto's range)
-    assert sum(v for k, v in d.items() if k.startswith("ssd_jax:spec_decode_num_accepted_tokens_per_pos_total")) \
+    assert (
+        sum(v for k, v in d.items() if k.startswith("ssd_jax:spec_decode_num_accepted_tokens_per_pos_total"))
         == accepted
+    )
     # a row's round emits accepted + 1 tokens; the first token of each request comes from its prefill
     # (the last round of a request may emit more than its max_tokens leave: those are dropped)
     n_req, gen = 6, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
     if method == "ssd":
         assert drafted == 2 * drafts  # K = 2 proposals every round: from the cache or the backup
-        lookups, hits = d["ssd_jax:spec_decode_num_cache_lookups_total"], d["ssd_jax:spec_decode_num_cache_hits_total"]
+        lookups, hits = (
+            d["ssd_jax:spec_decode_num_cache_lookups_total"],
+            d["ssd_jax:spec_decode_num_cache_hits_total"],
+        )
         assert 0 < lookups <= drafts and 0 <= hits <= lookups
 
 
@@ -173,10 +246,13 @@ def test_long_generation_crosses_attention_windows(servers, pair, method):
     from ssd_jax import SamplingParams, generate, load_model
 
     prompt = " ".join(PROMPTS) + " " + " ".join(PROMPTS[:4])
-    ref = generate(load_model(pair[0]), [prompt], SamplingParams(max_new_tokens=88, ignore_eos=True)).outputs[0]
+    ref = generate(load_model(pair[0]), [prompt], SamplingParams(max_new_tokens=88, ignore_eos=True)).outputs[
+        0
+    ]
     assert 32 < ref["prompt_tokens"] < 60
-    r = client(servers[method]).completions.create(model=NAME, prompt=prompt, max_tokens=88, temperature=0,
-                                                   extra_body={"ignore_eos": True})
+    r = client(servers[method]).completions.create(
+        model=NAME, prompt=prompt, max_tokens=88, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].model_extra["token_ids"] == ref["token_ids"]
 
 
@@ -187,13 +263,27 @@ def _crowd(url, ids):
     async def one(ac, i):
         if i % 2 == 0:
             j = (i // 2) % len(PROMPTS)
-            r = await ac.completions.create(model=NAME, prompt=PROMPTS[j], max_tokens=MAX_TOKENS[j], temperature=0)
+            r = await ac.completions.create(
+                model=NAME, prompt=PROMPTS[j], max_tokens=MAX_TOKENS[j], temperature=0
+            )
             return i, ("greedy", j, [r.choices[0].model_extra["token_ids"]], r.id)
         n = 2 if i % 5 == 0 else 1
-        r = await ac.completions.create(model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=4 + i % 9,
-                                        temperature=0.8, top_p=0.9, seed=100 + i, n=n, extra_body={"top_k": 20})
-        return i, ("seeded", n, [ch.model_extra["token_ids"] for ch in sorted(r.choices, key=lambda c: c.index)],
-                   r.id)
+        r = await ac.completions.create(
+            model=NAME,
+            prompt=PROMPTS[i % len(PROMPTS)],
+            max_tokens=4 + i % 9,
+            temperature=0.8,
+            top_p=0.9,
+            seed=100 + i,
+            n=n,
+            extra_body={"top_k": 20},
+        )
+        return i, (
+            "seeded",
+            n,
+            [ch.model_extra["token_ids"] for ch in sorted(r.choices, key=lambda c: c.index)],
+            r.id,
+        )
 
     async def all_of():
         ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -226,8 +316,12 @@ def test_disconnect_frees_slot_and_metrics_add_up(servers):
     c = client(url)
     n2 = c.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=1, temperature=0).usage.prompt_tokens
     before = metrics(url)
-    with httpx.stream("POST", url + "/v1/completions", json={"model": NAME, "prompt": PROMPTS[2], "max_tokens": 140,
-                      "stream": True, "ignore_eos": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"model": NAME, "prompt": PROMPTS[2], "max_tokens": 140, "stream": True, "ignore_eos": True},
+        timeout=60,
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break  # leave mid-stream
@@ -249,8 +343,14 @@ def test_disconnect_frees_slot_and_metrics_add_up(servers):
 
 def test_bad_requests_get_400_and_full_queue_429(servers):
     url = servers["ar"]
-    post = lambda body, **kw: httpx.post(url + "/v1/completions", timeout=30, **kw, **(  # noqa: E731
-        {"json": body} if body is not None else {}))
+    post = lambda body, **kw: httpx.post(
+        url + "/v1/completions",
+        timeout=30,
+        **kw,
+        **(  # noqa: E731
+            {"json": body} if body is not None else {}
+        ),
+    )
     bad = [
         post(None, content=b"{not json", headers={"content-type": "application/json"}),
         post({"model": "no-such-model", "prompt": "hi"}),
@@ -318,7 +418,10 @@ def test_engine_failure_fails_requests_then_503(pair, stream):
             assert "device lost while decoding" in events[-1]["error"]["message"]
         else:
             r = c.post("/v1/completions", json=body)
-            assert r.status_code == 500 and "RuntimeError: device lost while decoding" in r.json()["error"]["message"]
+            assert (
+                r.status_code == 500
+                and "RuntimeError: device lost while decoding" in r.json()["error"]["message"]
+            )
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "error"
         r = c.post("/v1/completions", json=body)

@@ -13,7 +13,9 @@ def test_poisson_arrivals_have_the_rate_and_are_seeded():
     assert a[0] == 0.0 and min(gaps) > 0
     assert sum(gaps) / len(gaps) == pytest.approx(0.5, rel=0.05)  # mean gap 1 / rate
     cv = (sum((g - 0.5) ** 2 for g in gaps) / len(gaps)) ** 0.5 / 0.5
-    assert cv == pytest.approx(1.0, rel=0.08)  # exponential gaps: sd = mean (a fixed-interval load fails this)
+    assert cv == pytest.approx(
+        1.0, rel=0.08
+    )  # exponential gaps: sd = mean (a fixed-interval load fails this)
     assert sb.poisson_arrivals(2.0, 10, seed=3) == a[:10] and sb.poisson_arrivals(2.0, 10, seed=4) != a[:10]
     with pytest.raises(UserError):
         sb.poisson_arrivals(0.0, 3, seed=0)
@@ -26,14 +28,23 @@ def test_methods_map_to_server_flags():
     assert sb.parse_method("sd:smollm2-135m-draft")["flags"][-1] == "auto"
     assert sb.parse_method("sd:ngram:auto")["name"] == "sd-ngram-kauto"
     m = sb.parse_method("ssd:smollm2-135m-draft:4")
-    assert m["name"] == "ssd-draft-k4" and m["flags"] == ["--method", "ssd", "--draft", "smollm2-135m-draft", "--k", "4"]
+    assert m["name"] == "ssd-draft-k4" and m["flags"] == [
+        "--method",
+        "ssd",
+        "--draft",
+        "smollm2-135m-draft",
+        "--k",
+        "4",
+    ]
     for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam", "ssd:ngram:3"):
         with pytest.raises(UserError):
             sb.parse_method(bad)
 
 
 def test_cell_summary_percentiles_and_throughput_interval():
-    reqs = [{"ok": True, "ttft": 0.1 * i, "tpot": 0.01 * i, "e2e": 1.0 + i, "tokens": 10} for i in range(1, 101)]
+    reqs = [
+        {"ok": True, "ttft": 0.1 * i, "tpot": 0.01 * i, "e2e": 1.0 + i, "tokens": 10} for i in range(1, 101)
+    ]
     reqs.append({"ok": False, "ttft": None, "tpot": None, "e2e": 0.5, "tokens": None})
     s = sb.cell_summary(reqs, [(10.0, 500), (10.0, 520), (10.0, 510)])
     assert s["requests"] == 101 and s["failed"] == 1

@@ -47,11 +47,17 @@ from ssd_jax.sampling.rejection import mark_point_mass
 )
 def test_greedy_ssd_equals_greedy_ar(pair, ar_ref, kw):
     target, draft = pair
-    res = generate(target, PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True),
-                   SpecConfig(method="ssd", draft=draft, k=3, **kw))
+    res = generate(
+        target,
+        PROMPTS,
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+        SpecConfig(method="ssd", draft=draft, k=3, **kw),
+    )
     assert _ids(res) == ar_ref
     m = res.metrics
-    check_round_accounting(res, 3, fixed_k=kw["backup"] not in ("ngram", "auto"))  # n-gram proposals can be short
+    check_round_accounting(
+        res, 3, fixed_k=kw["backup"] not in ("ngram", "auto")
+    )  # n-gram proposals can be short
     check_cache_accounting(res)
     assert sum(m["fanout"]["schedule"]) == m["fanout"]["budget"]
 
@@ -70,8 +76,12 @@ def check_cache_accounting(res):
 def test_self_draft_always_hits(pair, ar_ref):
     """With the target as its own draft every greedy outcome is predicted: hit rate 1, all accepted."""
     target, _ = pair
-    res = generate(target, PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True),
-                   SpecConfig(method="ssd", draft=target, k=3, backup="neural"))
+    res = generate(
+        target,
+        PROMPTS,
+        SamplingParams(max_new_tokens=20, ignore_eos=True),
+        SpecConfig(method="ssd", draft=target, k=3, backup="neural"),
+    )
     assert _ids(res) == ar_ref
     m = res.metrics
     assert m["cache_hit_rate"] == 1.0 and m["acceptance_rate"] == 1.0
@@ -83,7 +93,9 @@ def test_ragged_eos(pair, ar_ref):
     target, draft = pair
     t2 = dataclasses.replace(target, cfg=target.cfg.replace(eos_token_ids=(ar_ref[1][6],)))
     sp = SamplingParams(max_new_tokens=20)
-    assert _ids(generate(t2, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, k=4))) == _ids(generate(t2, PROMPTS, sp))
+    assert _ids(generate(t2, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, k=4))) == _ids(
+        generate(t2, PROMPTS, sp)
+    )
 
 
 # --- Saguaro sampling -------------------------------------------------------------------------
@@ -107,8 +119,16 @@ def test_saguaro_reweights_exactly_the_top_f():
 
 
 def _opts(draft, k, m, greedy=True):
-    return ssd_mod.Opts(k=k, budget=m, vocab=draft.cfg.vocab_size, rand_vocab=draft.cfg.vocab_size,
-                        needs_filter=False, greedy=greedy, c=1.0, tree_base=64)
+    return ssd_mod.Opts(
+        k=k,
+        budget=m,
+        vocab=draft.cfg.vocab_size,
+        rand_vocab=draft.cfg.vocab_size,
+        needs_filter=False,
+        greedy=greedy,
+        c=1.0,
+        tree_base=64,
+    )
 
 
 @pytest.mark.slow  # 40 s; the greedy-equality and exactness tests cover the cache end to end
@@ -130,7 +150,8 @@ def test_cached_speculation_equals_direct_drafting():
     rs = RowSampling.broadcast(SamplingParams(temperature=1.0), B)
     fanK = jnp.ones((B, K), jnp.int32)
     tree, cache2 = jax.jit(lambda *a: ssd_mod.build_tree(*a, cfg=cfg, opts=opts))(
-        draft.params, cache, cur, spec, jnp.full((B,), K, jnp.int32), kb, rb, fanK, jax.random.key(0), rs)
+        draft.params, cache, cur, spec, jnp.full((B,), K, jnp.int32), kb, rb, fanK, jax.random.key(0), rs
+    )
     # candidate keys: top draft tokens at each position, never the proposal that follows it
     for b in range(B):
         for i in range(M):
@@ -164,10 +185,22 @@ def test_scripted_outcomes_hit_and_miss():
     )
     cache = llama.init_cache(draft.cfg, B, 32)
     outcome_k = jnp.asarray([1, 0, 0], jnp.int32)
-    outcome_t = jnp.asarray([6, 9, 1], jnp.int32)  # row 0: branch 1; row 1: branch 1; row 2: (0, 1) not cached
+    outcome_t = jnp.asarray(
+        [6, 9, 1], jnp.int32
+    )  # row 0: branch 1; row 1: branch 1; row 2: (0, 1) not cached
     fn = jax.jit(lambda *a: ssd_mod.advance(*a, cfg=draft.cfg, opts=opts, backup="host"))
-    sp, cache = fn(draft.params, tree, cache, outcome_k, outcome_t, jnp.asarray([3, 4, 5]), jnp.ones(B, bool),
-                   jax.random.key(0), RowSampling.broadcast(SamplingParams(), B), jnp.ones((B, K), jnp.int32))
+    sp, cache = fn(
+        draft.params,
+        tree,
+        cache,
+        outcome_k,
+        outcome_t,
+        jnp.asarray([3, 4, 5]),
+        jnp.ones(B, bool),
+        jax.random.key(0),
+        RowSampling.broadcast(SamplingParams(), B),
+        jnp.ones((B, K), jnp.int32),
+    )
     assert np.asarray(sp.hit).tolist() == [True, True, False]
     assert np.asarray(sp.tokens[0]).tolist() == np.asarray(tree.tokens[0, 1]).tolist()
     assert np.asarray(sp.tokens[1]).tolist() == np.asarray(tree.tokens[1, 1]).tolist()
@@ -200,14 +233,15 @@ def test_ssd_matches_exact_target_distribution(small_pair, backup, c, budget, sa
     target, draft = small_pair
     prompt = [3, 7, 1]
     spec = SpecConfig(method="ssd", draft=draft, k=2, backup=backup, saguaro_c=c, fan_out_budget=budget)
-    exact = exact_pair_distribution(target, prompt, RowSampling.broadcast(sampling, 1), sampling.needs_filter).ravel()
+    exact = exact_pair_distribution(
+        target, prompt, RowSampling.broadcast(sampling, 1), sampling.needs_filter
+    ).ravel()
     counts, m = sampled_pairs(target, spec, sampling, prompt)
     assert counts[exact == 0].sum() == 0
     stat, df = chi2_stat(counts, exact, N_SAMPLES)
     assert stat < chi2_threshold(df), (stat, df, m["cache_hit_rate"], m["acceptance_rate"])
     # both paths ran: some rows hit the cache, some fell back
     assert 0.02 < m["cache_hit_rate"] < 0.98, m["cache_hit_rate"]
-
 
 
 @pytest.mark.slow  # superseded in the default set by test_exactness (long horizons, same controls)
@@ -273,11 +307,19 @@ def test_two_meshes_match_single_device_and_stay_put(pair, tmp_path, monkeypatch
 
     monkeypatch.setattr(ssd_loop, "place", spy)
     trace = tmp_path / "t.json"
-    two = generate(target, PROMPTS, sp, dataclasses.replace(base, target_devices=4, draft_devices=4), trace=str(trace))
+    two = generate(
+        target, PROMPTS, sp, dataclasses.replace(base, target_devices=4, draft_devices=4), trace=str(trace)
+    )
     assert seen["target"] == {0, 1, 2, 3} and seen["draft"] == {4, 5, 6, 7}
     assert _ids(two) == _ids(single)
-    assert two.metrics["devices"] == {"single_device": False, "target": 4, "draft": 4, "processes": 1,
-                                      "target_processes": [0], "draft_processes": [0]}
+    assert two.metrics["devices"] == {
+        "single_device": False,
+        "target": 4,
+        "draft": 4,
+        "processes": 1,
+        "target_processes": [0],
+        "draft_processes": [0],
+    }
     ev = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in ev if e.get("ph") == "X"}
     assert {"verify", "build", "sample", "advance"} <= names
@@ -298,8 +340,14 @@ def test_overlap_visible_in_trace(pair, tmp_path):
 
     Timeline.close = keep
     try:
-        generate(target, PROMPTS * 4, SamplingParams(max_new_tokens=24, ignore_eos=True),
-                 SpecConfig(method="ssd", draft=draft, k=3, target_devices=2, draft_devices=2, profile_stages=True))
+        generate(
+            target,
+            PROMPTS * 4,
+            SamplingParams(max_new_tokens=24, ignore_eos=True),
+            SpecConfig(
+                method="ssd", draft=draft, k=3, target_devices=2, draft_devices=2, profile_stages=True
+            ),
+        )
     finally:
         Timeline.close = orig
     tl = seen["tl"]
@@ -315,7 +363,9 @@ def test_bad_ssd_input(pair):
     with pytest.raises(UserError, match="draft model"):
         generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft="ngram"))
     with pytest.raises(UserError, match="devices"):
-        generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, target_devices=6, draft_devices=4))
+        generate(
+            target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, target_devices=6, draft_devices=4)
+        )
     with pytest.raises(UserError, match="saguaro"):
         generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, saguaro_c=1.5))
     with pytest.raises(UserError, match="backup"):
@@ -323,8 +373,12 @@ def test_bad_ssd_input(pair):
     with pytest.raises(UserError, match="branches"):
         generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, fan_out=2, fan_out_budget=3))
     with pytest.raises(UserError, match="divide"):
-        generate(target, PROMPTS, sp, SpecConfig(method="ssd", draft=draft, fan_out_budget=5, target_devices=1,
-                                                 draft_devices=2))
+        generate(
+            target,
+            PROMPTS,
+            sp,
+            SpecConfig(method="ssd", draft=draft, fan_out_budget=5, target_devices=1, draft_devices=2),
+        )
 
 
 @pytest.mark.parametrize("backup", ["neural", "random", "auto"])

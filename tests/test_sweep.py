@@ -9,7 +9,9 @@ from ssd_jax.errors import UserError
 
 
 def test_expand_drops_axes_a_method_ignores():
-    cs = sweep.expand({"method": ["ar", "sd", "ssd"], "k": [2, 4], "fan_out": ["geometric", 2], "category": ["code"]})
+    cs = sweep.expand(
+        {"method": ["ar", "sd", "ssd"], "k": [2, 4], "fan_out": ["geometric", 2], "category": ["code"]}
+    )
     assert sum(c["method"] == "ar" for c in cs) == 1  # AR has no K or fan-out
     assert sum(c["method"] == "sd" for c in cs) == 2
     assert sum(c["method"] == "ssd" for c in cs) == 4
@@ -43,9 +45,19 @@ def test_sweep_runs_resumes_and_reports(tiny_llama_path, tmp_path, monkeypatch):
     # the sweep's prompts are replaced by token-id prompts
     import ssd_jax.data.prompts
 
-    monkeypatch.setattr(ssd_jax.data.prompts, "load_prompts", lambda cat, n=None, **kw: [{"prompt": [1, 2, 3 + i]} for i in range(n)])
-    cfg = {"name": "tiny", "target": tiny_llama_path, "draft": tiny_llama_path, "new_tokens": 6, "n_prompts": 2,
-           "grid": {"method": ["ar", "sd", "ssd"], "k": [2], "backup": ["neural"], "category": ["code"]}}
+    monkeypatch.setattr(
+        ssd_jax.data.prompts,
+        "load_prompts",
+        lambda cat, n=None, **kw: [{"prompt": [1, 2, 3 + i]} for i in range(n)],
+    )
+    cfg = {
+        "name": "tiny",
+        "target": tiny_llama_path,
+        "draft": tiny_llama_path,
+        "new_tokens": 6,
+        "n_prompts": 2,
+        "grid": {"method": ["ar", "sd", "ssd"], "k": [2], "backup": ["neural"], "category": ["code"]},
+    }
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "res"
@@ -72,11 +84,24 @@ def _row(method, c=1.0, bs=1, hit=None, acc=0.5, **extra):
     cfg = {"method": method, "batch_size": bs, "temperature": 0.0, "category": "code"}
     if method == "ssd":
         cfg.update(k=4, fan_out="geometric", saguaro_c=c, backup="neural")
-    row = {"config": cfg, "key": sweep.config_key(cfg), "prompts": 1, "decode_tokens_per_s": 10.0 * bs,
-           "tokens_per_s_per_device": 5.0, "env": {"loadavg": [1.0, 1.0, 1.0], "backend": "cpu"}, **extra}
+    row = {
+        "config": cfg,
+        "key": sweep.config_key(cfg),
+        "prompts": 1,
+        "decode_tokens_per_s": 10.0 * bs,
+        "tokens_per_s_per_device": 5.0,
+        "env": {"loadavg": [1.0, 1.0, 1.0], "backend": "cpu"},
+        **extra,
+    }
     if method != "ar":
-        row.update(acceptance_rate=acc, mean_acceptance_length=2.0, draft_s=1.0, verify_s=2.0, sample_s=0.5,
-                   overhead_s=0.5)
+        row.update(
+            acceptance_rate=acc,
+            mean_acceptance_length=2.0,
+            draft_s=1.0,
+            verify_s=2.0,
+            sample_s=0.5,
+            overhead_s=0.5,
+        )
     if hit is not None:
         row.update(cache_hit_rate=hit, tau_hit=2.5, tau_miss=1.0, draft_exposed_s=0.25)
     return row
@@ -84,8 +109,13 @@ def _row(method, c=1.0, bs=1, hit=None, acc=0.5, **extra):
 
 def test_report_time_breakdown_and_saguaro_plot(tmp_path):
     p = tmp_path / "s.jsonl"
-    for r in [_row("ar"), _row("ar", bs=4), _row("sd", bs=4), _row("ssd", c=0.0, hit=0.9, acc=0.1),
-              _row("ssd", c=1.0, hit=0.6, acc=0.5)]:
+    for r in [
+        _row("ar"),
+        _row("ar", bs=4),
+        _row("sd", bs=4),
+        _row("ssd", c=0.0, hit=0.9, acc=0.1),
+        _row("ssd", c=1.0, hit=0.6, acc=0.5),
+    ]:
         sweep.append_row(p, r)
     md, png = sweep.report(p)
     text = md.read_text()
@@ -112,14 +142,27 @@ def test_unknown_suite_is_a_user_error(tmp_path):
 
 def test_oracle_sweep_with_the_target_as_its_own_draft(tiny_llama_path, tmp_path, monkeypatch):
     # the target drafting for itself matches every greedy token: its rounds equal the oracle's
-    monkeypatch.setattr(sweep, "category_prompts", lambda cat, n: [{"prompt": [1, 2, 3 + i], "id": i} for i in range(n)])
-    cfg = {"name": "orc", "kind": "oracle", "target": tiny_llama_path, "draft": tiny_llama_path, "k": 3,
-           "new_tokens": 9, "n_prompts": 2, "categories": ["code"], "chat": False}
+    monkeypatch.setattr(
+        sweep, "category_prompts", lambda cat, n: [{"prompt": [1, 2, 3 + i], "id": i} for i in range(n)]
+    )
+    cfg = {
+        "name": "orc",
+        "kind": "oracle",
+        "target": tiny_llama_path,
+        "draft": tiny_llama_path,
+        "k": 3,
+        "new_tokens": 9,
+        "n_prompts": 2,
+        "categories": ["code"],
+        "chat": False,
+    }
     res = sweep.run_sweep(cfg, str(tmp_path))
     rows = sweep.read_results(res)
     assert [r["key"] for r in rows] == ["code/0", "code/1"]
     for r in rows:
-        assert r["methods"]["draft"]["rounds"] == r["methods"]["oracle"]["rounds"] == 3  # 9 tokens, 4 per round
+        assert (
+            r["methods"]["draft"]["rounds"] == r["methods"]["oracle"]["rounds"] == 3
+        )  # 9 tokens, 4 per round
         assert r["methods"]["combine"]["rounds"] == 3
     md, png = sweep.report(res)
     assert png is None and "oracle" in md.read_text()

@@ -74,8 +74,7 @@ def test_disjoint_lanes_record_concurrent_intervals(inputs):
         jax.block_until_ready((a, b))
         t_ready = time.perf_counter()
         evs = tl.events()
-    assert [(e["name"], e["lane"], e["round"]) for e in evs] == [
-        ("verify", la, 0), ("draft_cache", lb, 0)]
+    assert [(e["name"], e["lane"], e["round"]) for e in evs] == [("verify", la, 0), ("draft_cache", lb, 0)]
     ev = {e["name"]: e for e in evs}
     for e in evs:
         assert t_before <= e["dispatch"] <= e["start"] <= e["end"]

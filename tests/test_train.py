@@ -30,8 +30,16 @@ from ssd_jax.models.params import flatten, init_params
 from ssd_jax.training import loop as train_loop
 
 TARGET_CFG = ModelConfig(
-    vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=16, max_position_embeddings=256, eos_token_ids=(2,), tie_embeddings=True,
+    vocab_size=272,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    eos_token_ids=(2,),
+    tie_embeddings=True,
 )
 STEPS = 8
 
@@ -44,8 +52,13 @@ def save_tiny_target(root, sha_byte: str) -> None:
     """The tiny random target (``TARGET_CFG``) saved as a converted model at ``root/target``."""
     os.environ["SSD_JAX_NO_PROGRESS"] = "1"
     flat = {k: np.asarray(v) for k, v in flatten(init_params(TARGET_CFG, 0, scale=0.15)).items()}
-    store.save_converted(root / "target", TARGET_CFG, iter(flat.items()), tiny_tokenizer(),
-                         {"source_sha256": sha_byte * 32, "name": "tiny-target"})
+    store.save_converted(
+        root / "target",
+        TARGET_CFG,
+        iter(flat.items()),
+        tiny_tokenizer(),
+        {"source_sha256": sha_byte * 32, "name": "tiny-target"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +67,28 @@ def env(tmp_path_factory):
     save_tiny_target(root, "ab")
     words = "the quick brown fox jumps over the lazy dog and hello world again".split()
     rng = np.random.default_rng(0)
-    docs = [" ".join(words[j % len(words)] for j in range(i, i + 12 + i % 7)) + f" {rng.integers(100)}" for i in range(300)]
+    docs = [
+        " ".join(words[j % len(words)] for j in range(i, i + 12 + i % 7)) + f" {rng.integers(100)}"
+        for i in range(300)
+    ]
     (root / "data.txt").write_text("\n\n".join(docs))
     return root
 
 
 def targs(env, out, **kw) -> T.TrainArgs:
-    base = dict(target=str(env / "target"), size="40K", steps=STEPS, batch_size=4, seq_len=32, lr=3e-3,
-                warmup=2, eval_every=4, eval_windows=4, data=str(env / "data.txt"), out=str(env / out))
+    base = dict(
+        target=str(env / "target"),
+        size="40K",
+        steps=STEPS,
+        batch_size=4,
+        seq_len=32,
+        lr=3e-3,
+        warmup=2,
+        eval_every=4,
+        eval_windows=4,
+        data=str(env / "data.txt"),
+        out=str(env / out),
+    )
     return T.TrainArgs(**{**base, **kw})
 
 
@@ -131,7 +158,11 @@ def test_metadata(run_a, env):
     assert meta["step"] == STEPS and meta["target"]["weights_sha256"] == "ab" * 32
     assert meta["shared"]["tensors"] == ["embed"]
     law = meta["params"]["law"]
-    assert law["sizing"] == "explicit" and law["n_opt"] > 0 and law["M"] == TARGET_CFG.num_layers * T.layer_param_count(TARGET_CFG) + 272 * 64 + 64
+    assert (
+        law["sizing"] == "explicit"
+        and law["n_opt"] > 0
+        and law["M"] == TARGET_CFG.num_layers * T.layer_param_count(TARGET_CFG) + 272 * 64 + 64
+    )
     assert meta["params"]["N"] == meta["params"]["trained"]
     assert meta["train"]["data_seed"] == 0 and meta["train"]["data"]["train"]["tokens"] > 0
     best = dfmt.read_meta(env / "a" / "best")
@@ -225,8 +256,16 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(run_a, env, monkeypat
 
 
 def test_sizing():
-    smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                       num_kv_heads=3, head_dim=64, tie_embeddings=True)
+    smol = ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        tie_embeddings=True,
+    )
     cfg, law = T.size_draft(smol, "auto")
     assert 9e6 < law["n_opt"] < 13e6  # SDSL for M = 134.5M
     assert cfg.num_layers == 3 and cfg.hidden_size == 576 and cfg.tie_embeddings
@@ -264,10 +303,39 @@ def _subprocess_env():
 def test_real_kill_9_then_resume(run_a, env):
     """A real ``kill -9`` of ``python -m ssd_jax.train``, then ``--resume``: same final state."""
     out = env / "k"
-    cmd = [sys.executable, "-m", "ssd_jax.train", "--target", str(env / "target"), "--size", "40K", "--steps", str(STEPS),
-           "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--warmup", "2", "--eval-every", "4",
-           "--eval-windows", "4", "--save-every", "2", "--data", str(env / "data.txt"), "--out", str(out)]
-    env_ = {**_subprocess_env(), "JAX_COMPILATION_CACHE_DIR": str(env / "jax-cache")}  # the resume reuses the compile
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssd_jax.train",
+        "--target",
+        str(env / "target"),
+        "--size",
+        "40K",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-windows",
+        "4",
+        "--save-every",
+        "2",
+        "--data",
+        str(env / "data.txt"),
+        "--out",
+        str(out),
+    ]
+    env_ = {
+        **_subprocess_env(),
+        "JAX_COMPILATION_CACHE_DIR": str(env / "jax-cache"),
+    }  # the resume reuses the compile
     p = subprocess.Popen(cmd, env=env_, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and p.poll() is None:

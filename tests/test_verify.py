@@ -138,8 +138,9 @@ def test_greedy_verify_equals_verify_on_greedy_rows(K):
     n_draft = rng.integers(0, K + 1, B)
     s = np.where(np.arange(K)[None] < n_draft[:, None], s, -1)  # padding past n_draft
     q = jnp.asarray(np.log(rng.dirichlet(np.ones(V), (B, K))), jnp.float32)
-    full = verify_jit(jax.random.key(0), logits, jnp.asarray(s, jnp.int32), jnp.asarray(n_draft), _rs([0.0] * B), False,
-                      q)
+    full = verify_jit(
+        jax.random.key(0), logits, jnp.asarray(s, jnp.int32), jnp.asarray(n_draft), _rs([0.0] * B), False, q
+    )
     g = jax.jit(verify_greedy)(logits, jnp.asarray(s, jnp.int32), jnp.asarray(n_draft))
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(g)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

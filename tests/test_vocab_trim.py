@@ -80,8 +80,11 @@ def _sp():
     return SamplingParams(max_new_tokens=20, ignore_eos=True)
 
 
-@pytest.mark.parametrize("spec", [dict(method="sd"), dict(method="ssd", backup="neural"), dict(method="ssd", backup="ngram")],
-                         ids=["sd", "ssd-neural", "ssd-ngram"])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(method="sd"), dict(method="ssd", backup="neural"), dict(method="ssd", backup="ngram")],
+    ids=["sd", "ssd-neural", "ssd-ngram"],
+)
 def test_greedy_with_trimmed_draft_equals_greedy_ar(trim_pair, ar_ref, spec):
     target, draft, counts = trim_pair
     ids = dv.kept_ids(counts, KEEP)
@@ -229,8 +232,22 @@ def test_bad_draft_vocab_flags(args, needle, capsys):
 def test_draft_vocab_larger_than_the_vocabulary_from_the_cli(tiny_llama_path, capsys):
     from ssd_jax.cli.decode import main
 
-    rc = main(["--target", tiny_llama_path, "--method", "sd", "--draft", tiny_llama_path, "--draft-vocab", "129",
-               "--prompt-ids", "1,2", "--max-new-tokens", "2"])
+    rc = main(
+        [
+            "--target",
+            tiny_llama_path,
+            "--method",
+            "sd",
+            "--draft",
+            tiny_llama_path,
+            "--draft-vocab",
+            "129",
+            "--prompt-ids",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     out, err = capsys.readouterr()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and out == "" and len(lines) == 1, (rc, out, err)

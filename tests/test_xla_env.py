@@ -29,9 +29,14 @@ WIDENED = 256 * 256 * 4  # one widened matrix
 def _probe(**env):
     # this process's import of ssd_jax added the flag to XLA_FLAGS: start the child without it
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if xla_env.SCHEDULER_FLAG not in f)
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, "XLA_FLAGS": flags, **env},
-                         capture_output=True, text=True,
-                         timeout=300, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**os.environ, "XLA_FLAGS": flags, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.split()
     return out[0] == "True", int(out[1])
 
 
@@ -52,7 +57,10 @@ def test_apply_leaves_user_flags_and_opt_out_alone(monkeypatch):
     monkeypatch.setattr(xla_env, "_xla_knows", lambda flag: True)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     assert xla_env.apply()
-    assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 --{xla_env.SCHEDULER_FLAG}=false"
+    assert (
+        os.environ["XLA_FLAGS"]
+        == f"--xla_force_host_platform_device_count=2 --{xla_env.SCHEDULER_FLAG}=false"
+    )
     monkeypatch.setenv("XLA_FLAGS", f"--{xla_env.SCHEDULER_FLAG}=true")  # the user's choice stands
     assert not xla_env.apply() and os.environ["XLA_FLAGS"] == f"--{xla_env.SCHEDULER_FLAG}=true"
     monkeypatch.delenv("XLA_FLAGS")

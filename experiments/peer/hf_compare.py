@@ -72,16 +72,31 @@ class HFRunner:
         st = _FirstTokens()
         t = time.perf_counter()
         with torch.no_grad():
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=0, streamer=st, **self.kwargs)
+            out = self.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=st,
+                **self.kwargs,
+            )
         wall = time.perf_counter() - t
-        toks = out[0, len(ids):].tolist()
+        toks = out[0, len(ids) :].tolist()
         n = len(toks)
         ttft = (st.t_first or t + wall) - t
         dec = (n - st.n_first) / (wall - ttft) if wall > ttft and n > st.n_first else 0.0
-        return {"generated_tokens": n, "wall_s": wall, "ttft_s": ttft, "first_put_tokens": st.n_first,
-                "decode_tok_s": dec, "e2e_tok_s": n / wall, "acceptance_rate": None, "tokens_per_round": None,
-                "token_ids": [toks]}
+        return {
+            "generated_tokens": n,
+            "wall_s": wall,
+            "ttft_s": ttft,
+            "first_put_tokens": st.n_first,
+            "decode_tok_s": dec,
+            "e2e_tok_s": n / wall,
+            "acceptance_rate": None,
+            "tokens_per_round": None,
+            "token_ids": [toks],
+        }
 
 
 def hf_models(target_src, draft_src):
@@ -99,8 +114,11 @@ def hf_models(target_src, draft_src):
 def hf_runners(target, draft, k):
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
-    return {"hf-generate": HFRunner(target), f"hf-assisted-k{k}": HFRunner(target, assistant_model=draft),
-            f"hf-prompt-lookup-{k}": HFRunner(target, prompt_lookup_num_tokens=k)}
+    return {
+        "hf-generate": HFRunner(target),
+        f"hf-assisted-k{k}": HFRunner(target, assistant_model=draft),
+        f"hf-prompt-lookup-{k}": HFRunner(target, prompt_lookup_num_tokens=k),
+    }
 
 
 def tiny_pair(work: Path) -> tuple[str, str]:
@@ -111,9 +129,17 @@ def tiny_pair(work: Path) -> tuple[str, str]:
     paths = []
     for seed, layers in ((0, 2), (1, 1)):
         torch.manual_seed(seed)
-        cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                          tie_word_embeddings=False, eos_token_id=1)
+        cfg = Qwen2Config(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            eos_token_id=1,
+        )
         m = Qwen2ForCausalLM(cfg)
         with torch.no_grad():
             for p in m.parameters():
@@ -137,10 +163,16 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-ssd", action="store_true", help="leave SSD out (it needs a second device lane)")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="ssd_jax's methods (protocol names, e.g. ar sd:4 sd:auto:v32768 ngram:4); default: ar, "
-                        "sd:K, ngram:K and ssd:K with --k")
-    p.add_argument("--smoke", action="store_true", help="tiny random Qwen2 pair, 2 token-id prompts, 1 repeat")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="ssd_jax's methods (protocol names, e.g. ar sd:4 sd:auto:v32768 ngram:4); default: ar, "
+        "sd:K, ngram:K and ssd:K with --k",
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny random Qwen2 pair, 2 token-id prompts, 1 repeat"
+    )
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args(argv)
 
@@ -168,8 +200,10 @@ def main(argv=None) -> int:
         g = [registry.gguf_path(n) for n in (a.target, a.draft)]
         hf_t, hf_d = hf_models((str(g[0].parent), g[0].name), (str(g[1].parent), g[1].name))
     if a.smoke:  # token-id prompts (the tiny models have no tokenizer)
-        records = {c: [{"id": f"{c}{i}", "prompt": [3 + i, 17, 29, 3 + i, 17, 40 + j]} for i in range(2)]
-                   for j, c in enumerate(a.categories)}
+        records = {
+            c: [{"id": f"{c}{i}", "prompt": [3 + i, 17, 29, 3 + i, 17, 40 + j]} for i in range(2)]
+            for j, c in enumerate(a.categories)
+        }
     else:  # chat-templated by our tokenizer, so both engines get the same ids
         records = {}
         for c in a.categories:
@@ -180,13 +214,31 @@ def main(argv=None) -> int:
     methods = a.methods or ["ar", f"sd:{a.k}", f"ngram:{a.k}"] + ([] if a.no_ssd else [f"ssd:{a.k}"])
     runners = {n: protocol.EngineRunner(ours_t, s) for n, s in protocol.method_specs(methods, ours_d).items()}
     runners.update(hf_runners(hf_t, hf_d, a.k))
-    env_extra = {"target": ours_t.name, "draft": ours_d.name, "threads": a.threads, "peer": "HF transformers",
-                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                              "torch_threads": torch.get_num_threads()}}
-    path = protocol.run_protocol(runners, units, a.out, repeats=a.repeats, new_tokens=a.new_tokens,
-                                 env_extra=env_extra, progress=not a.smoke)
-    md = protocol.write_report(path, f"Peer comparison: HF transformers vs ssd_jax ({ours_t.name} / {ours_d.name})",
-                               bases=("ar", "hf-generate"))
+    env_extra = {
+        "target": ours_t.name,
+        "draft": ours_d.name,
+        "threads": a.threads,
+        "peer": "HF transformers",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
+    path = protocol.run_protocol(
+        runners,
+        units,
+        a.out,
+        repeats=a.repeats,
+        new_tokens=a.new_tokens,
+        env_extra=env_extra,
+        progress=not a.smoke,
+    )
+    md = protocol.write_report(
+        path,
+        f"Peer comparison: HF transformers vs ssd_jax ({ours_t.name} / {ours_d.name})",
+        bases=("ar", "hf-generate"),
+    )
     print(f"wrote {path} and {md}", file=sys.stderr)
     if a.smoke:
         import shutil

@@ -32,7 +32,9 @@ OUT = ROOT / "experiments" / "results" / "sdsl_validation.jsonl"
 
 
 def drafts() -> list[Path]:
-    return sorted(p for p in (ROOT / "checkpoints" / "sdsl").glob("*/") if (p / "best" / "draft.json").is_file())
+    return sorted(
+        p for p in (ROOT / "checkpoints" / "sdsl").glob("*/") if (p / "best" / "draft.json").is_file()
+    )
 
 
 def prompts(n: int) -> list[str]:
@@ -85,20 +87,35 @@ def measure(args) -> None:
         ar1 = timed(target, ps, sp, SpecConfig())
         ar = 0.5 * (ar0["decode_tokens_per_s"] + ar1["decode_tokens_per_s"])
         row = {
-            "draft": d.name, "draft_sha256": meta.get("params_sha256"), "layers": meta["config"]["num_layers"],
-            "N": meta["params"]["N"], "reads_per_token": meta["params"]["reads_per_token"],
-            "M": meta["params"]["law"]["M"], "n_opt_law": meta["params"]["law"]["n_opt"],
-            "train_tokens": meta["step"] * meta["train"]["args"]["batch_size"] * meta["train"]["args"]["seq_len"],
-            "best_step": meta["step"], "eval": meta["metrics"],
-            "ar_tokens_per_s": ar, "ar_drift": ar1["decode_tokens_per_s"] / ar0["decode_tokens_per_s"],
+            "draft": d.name,
+            "draft_sha256": meta.get("params_sha256"),
+            "layers": meta["config"]["num_layers"],
+            "N": meta["params"]["N"],
+            "reads_per_token": meta["params"]["reads_per_token"],
+            "M": meta["params"]["law"]["M"],
+            "n_opt_law": meta["params"]["law"]["n_opt"],
+            "train_tokens": meta["step"]
+            * meta["train"]["args"]["batch_size"]
+            * meta["train"]["args"]["seq_len"],
+            "best_step": meta["step"],
+            "eval": meta["metrics"],
+            "ar_tokens_per_s": ar,
+            "ar_drift": ar1["decode_tokens_per_s"] / ar0["decode_tokens_per_s"],
             "sd": {str(k): v for k, v in sd.items()},
-            "prompts": len(ps), "new_tokens": args.new_tokens, "run_s": time.perf_counter() - t,
+            "prompts": len(ps),
+            "new_tokens": args.new_tokens,
+            "run_s": time.perf_counter() - t,
             "env": {**env, "loadavg": os.getloadavg()},
         }
         append_row(OUT, row)
-        print(f"{d.name}: AR {ar:.1f} tok/s, " + ", ".join(
-            f"K={k} {v['decode_tokens_per_s']:.1f} tok/s acc {v['acceptance_rate']:.2f}" for k, v in sd.items()),
-            file=sys.stderr)
+        print(
+            f"{d.name}: AR {ar:.1f} tok/s, "
+            + ", ".join(
+                f"K={k} {v['decode_tokens_per_s']:.1f} tok/s acc {v['acceptance_rate']:.2f}"
+                for k, v in sd.items()
+            ),
+            file=sys.stderr,
+        )
 
 
 def report() -> None:
@@ -111,32 +128,44 @@ def report() -> None:
     if not rows:
         raise SystemExit("no measurements yet")
     M, n_law = rows[0]["M"], rows[0]["n_opt_law"]
-    lines = ["# SDSL validation on SmolLM2-135M-Instruct", "",
-             f"M = {M / 1e6:.1f}M (total, tied embedding once); law N_opt = {n_law / 1e6:.1f}M non-embedding "
-             "parameters. Each draft: same data, same token budget, initialised from spread target layers, "
-             "tied frozen embedding shared with the target. alpha(T=1) and perplexities are on the held-out "
-             "split at the best eval step; SD columns are greedy decode tok/s with AR measured in the same run.", "",
-             "| draft | layers | N | reads/token vs target | held-out ppl | alpha (T=1) | greedy match | AR tok/s "
-             "| best SD tok/s (K) | SD/AR | acceptance (T=0) | tokens/round | tokens per GFLOP | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# SDSL validation on SmolLM2-135M-Instruct",
+        "",
+        f"M = {M / 1e6:.1f}M (total, tied embedding once); law N_opt = {n_law / 1e6:.1f}M non-embedding "
+        "parameters. Each draft: same data, same token budget, initialised from spread target layers, "
+        "tied frozen embedding shared with the target. alpha(T=1) and perplexities are on the held-out "
+        "split at the best eval step; SD columns are greedy decode tok/s with AR measured in the same run.",
+        "",
+        "| draft | layers | N | reads/token vs target | held-out ppl | alpha (T=1) | greedy match | AR tok/s "
+        "| best SD tok/s (K) | SD/AR | acceptance (T=0) | tokens/round | tokens per GFLOP | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     pts = []
     for r in rows:
         k, best = max(r["sd"].items(), key=lambda kv: kv[1]["decode_tokens_per_s"])
         K = int(k)
         tau = best["mean_acceptance_length"]
-        flops_round = 2 * (r["M"] * (K + 1) + r["reads_per_token"] * K)  # target verify of K+1 + K draft steps
+        flops_round = 2 * (
+            r["M"] * (K + 1) + r["reads_per_token"] * K
+        )  # target verify of K+1 + K draft steps
         tpf = tau / flops_round * 1e9
         e = r["eval"]
-        pts.append((r["N"], best["decode_tokens_per_s"], best["decode_tokens_per_s"] / r["ar_tokens_per_s"], e, K))
-        lines.append(f"| {r['draft']} | {r['layers']} | {r['N'] / 1e6:.1f}M | {r['reads_per_token'] / r['M']:.2f} "
-                     f"| {e['ppl']:.1f} | {e['alpha']:.3f} | {e['greedy_match']:.3f} | {r['ar_tokens_per_s']:.1f} "
-                     f"| {best['decode_tokens_per_s']:.1f} ({K}) | {best['decode_tokens_per_s'] / r['ar_tokens_per_s']:.2f} "
-                     f"| {best['acceptance_rate']:.2f} | {tau:.2f} | {tpf:.3f} | {r['env']['loadavg'][0]:.2f} |")
+        pts.append(
+            (r["N"], best["decode_tokens_per_s"], best["decode_tokens_per_s"] / r["ar_tokens_per_s"], e, K)
+        )
+        lines.append(
+            f"| {r['draft']} | {r['layers']} | {r['N'] / 1e6:.1f}M | {r['reads_per_token'] / r['M']:.2f} "
+            f"| {e['ppl']:.1f} | {e['alpha']:.3f} | {e['greedy_match']:.3f} | {r['ar_tokens_per_s']:.1f} "
+            f"| {best['decode_tokens_per_s']:.1f} ({K}) | {best['decode_tokens_per_s'] / r['ar_tokens_per_s']:.2f} "
+            f"| {best['acceptance_rate']:.2f} | {tau:.2f} | {tpf:.3f} | {r['env']['loadavg'][0]:.2f} |"
+        )
     Ns = np.array([p[0] for p in pts])
     sp = np.array([p[2] for p in pts])
     n_meas = Ns[int(np.argmax(sp))]
     # the law's throughput with the MEASURED alpha (T=0 acceptance at the best K), two cost models
-    alphas = np.array([max(min(r["sd"][str(p[4])]["acceptance_rate"], 0.999), 1e-3) for r, p in zip(rows, pts)])
+    alphas = np.array(
+        [max(min(r["sd"][str(p[4])]["acceptance_rate"], 0.999), 1e-3) for r, p in zip(rows, pts)]
+    )
     law_s = sdsl.speedup(alphas, sdsl.gamma_star(alphas, M / Ns), Ns, M)
     reads = np.array([r["reads_per_token"] for r in rows], float)
     real_s = sdsl.speedup(alphas, sdsl.gamma_star(alphas, M / reads), reads, M)
@@ -149,15 +178,18 @@ def report() -> None:
     r2 = 1 - float(np.sum((a_t1 - pred) ** 2)) / ss if ss > 0 else float("nan")
     y = pts[0][3]["target_ppl"]
     C = C1 - sdsl.ACCEPTANCE.B * y
-    lines += ["", f"- Measured optimum (best SD/AR): N = {n_meas / 1e6:.1f}M; law: {n_law / 1e6:.1f}M.",
-              "- Law speedup with measured alpha, cost N/M (the law's): "
-              + ", ".join(f"{n / 1e6:.1f}M {s:.2f}x" for n, s in zip(Ns, law_s)),
-              "- Same with the real per-token reads (layers + the tied 49152 x 576 head): "
-              + ", ".join(f"{n / 1e6:.1f}M {s:.2f}x" for n, s in zip(Ns, real_s)),
-              f"- Refit alpha(T=1) = A x + B y + C over these drafts: A = {A:.4g}, C' = B y + C = {C1:.4g} "
-              f"(R^2 = {r2:.2f}); with the paper's B = {sdsl.ACCEPTANCE.B} and y = {y:.2f}, C = {C:.4g}. "
-              f"Paper: A = {sdsl.ACCEPTANCE.A}, B = {sdsl.ACCEPTANCE.B}, C = {sdsl.ACCEPTANCE.C}. One target means B "
-              "and C are not separately identified."]
+    lines += [
+        "",
+        f"- Measured optimum (best SD/AR): N = {n_meas / 1e6:.1f}M; law: {n_law / 1e6:.1f}M.",
+        "- Law speedup with measured alpha, cost N/M (the law's): "
+        + ", ".join(f"{n / 1e6:.1f}M {s:.2f}x" for n, s in zip(Ns, law_s)),
+        "- Same with the real per-token reads (layers + the tied 49152 x 576 head): "
+        + ", ".join(f"{n / 1e6:.1f}M {s:.2f}x" for n, s in zip(Ns, real_s)),
+        f"- Refit alpha(T=1) = A x + B y + C over these drafts: A = {A:.4g}, C' = B y + C = {C1:.4g} "
+        f"(R^2 = {r2:.2f}); with the paper's B = {sdsl.ACCEPTANCE.B} and y = {y:.2f}, C = {C:.4g}. "
+        f"Paper: A = {sdsl.ACCEPTANCE.A}, B = {sdsl.ACCEPTANCE.B}, C = {sdsl.ACCEPTANCE.C}. One target means B "
+        "and C are not separately identified.",
+    ]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(Ns / 1e6, sp, "o-", label="measured SD/AR (best K)")
     ax.plot(Ns / 1e6, law_s, "s--", label="law, measured alpha, cost N/M")

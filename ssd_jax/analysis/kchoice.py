@@ -31,8 +31,16 @@ import numpy as np
 
 from ssd_jax.analysis.sdsl import expected_tokens
 
-__all__ = ["ADAPTIVE_KS", "K_MAX", "KPlan", "OnlineK", "PRIOR_WEIGHT", "expected_speedups", "best_k",
-           "interpolate_verify"]
+__all__ = [
+    "ADAPTIVE_KS",
+    "K_MAX",
+    "KPlan",
+    "OnlineK",
+    "PRIOR_WEIGHT",
+    "expected_speedups",
+    "best_k",
+    "interpolate_verify",
+]
 
 #: K is chosen among 1..K_MAX
 K_MAX = 8
@@ -52,8 +60,14 @@ def interpolate_verify(measured: Mapping[int, float], ks=range(1, K_MAX + 1)) ->
     return {int(k): float(np.interp(k, xs, ys)) for k in ks}
 
 
-def expected_speedups(alpha: float, t_ar: float, t_verify: Mapping[int, float], t_draft_step: float = 0.0,
-                      c_round: float = 0.0, ks=range(1, K_MAX + 1)) -> dict[int, float]:
+def expected_speedups(
+    alpha: float,
+    t_ar: float,
+    t_verify: Mapping[int, float],
+    t_draft_step: float = 0.0,
+    c_round: float = 0.0,
+    ks=range(1, K_MAX + 1),
+) -> dict[int, float]:
     """S(K) for each K in ``ks`` (``t_verify`` keyed by K, as from :func:`interpolate_verify`)."""
     if t_ar <= 0:
         raise ValueError(f"t_ar must be > 0, got {t_ar}")
@@ -89,13 +103,27 @@ class KPlan:
         """From a calibration record's α and ``costs`` (``t_verify`` keyed by K, as strings or ints);
         ``k0``, the calibrated choice, is one of the candidates."""
         tv = interpolate_verify({int(k): float(v) for k, v in costs["t_verify"].items()})
-        return cls(float(alpha), float(costs["t_ar"]), tuple(sorted(tv.items())), float(costs["t_draft_step"]),
-                   float(costs["c_round"]), tuple(sorted({*ks, int(k0)})))
+        return cls(
+            float(alpha),
+            float(costs["t_ar"]),
+            tuple(sorted(tv.items())),
+            float(costs["t_draft_step"]),
+            float(costs["c_round"]),
+            tuple(sorted({*ks, int(k0)})),
+        )
 
     def choose(self, alpha: float) -> int:
         """The best K among ``ks`` at acceptance ``alpha``."""
-        return best_k(expected_speedups(min(max(alpha, 0.0), 1.0), self.t_ar, dict(self.t_verify), self.t_draft_step,
-                                        self.c_round, ks=self.ks))
+        return best_k(
+            expected_speedups(
+                min(max(alpha, 0.0), 1.0),
+                self.t_ar,
+                dict(self.t_verify),
+                self.t_draft_step,
+                self.c_round,
+                ks=self.ks,
+            )
+        )
 
 
 class OnlineK:
@@ -124,7 +152,10 @@ class OnlineK:
 
     def metrics(self) -> dict:
         n = sum(self.rounds.values())
-        return {"k_adaptive": True, "k_candidates": list(self.plan.ks),
-                "k_rounds": {str(k): c for k, c in sorted(self.rounds.items())},
-                "k_mean": sum(k * c for k, c in self.rounds.items()) / n if n else None,
-                "alpha_online": self.alpha}
+        return {
+            "k_adaptive": True,
+            "k_candidates": list(self.plan.ks),
+            "k_rounds": {str(k): c for k, c in sorted(self.rounds.items())},
+            "k_mean": sum(k * c for k, c in self.rounds.items()) / n if n else None,
+            "alpha_online": self.alpha,
+        }

@@ -91,7 +91,9 @@ def bleu_bin(score: float, edges: Sequence[float] = DEFAULT_BLEU_EDGES) -> str:
 # --- accepted lengths per output position ---------------------------------------------------
 
 
-def ngram_accept_lengths(tokens: Sequence[int], prompt_len: int, k: int, n_min: int = 1, n_max: int = 4) -> np.ndarray:
+def ngram_accept_lengths(
+    tokens: Sequence[int], prompt_len: int, k: int, n_min: int = 1, n_max: int = 4
+) -> np.ndarray:
     """Accepted count of the n-gram drafter's proposal at each output position.
 
     Entry ``t - prompt_len`` for t in [prompt_len, len(tokens)): how many leading tokens of
@@ -167,7 +169,9 @@ def _greedy_next_fn(cfg, vocab: int | None):
     return jax.jit(greedy_next)
 
 
-def teacher_forced_matches(model, tokens: Sequence[int], prompt_len: int, vocab: int | None = None) -> np.ndarray:
+def teacher_forced_matches(
+    model, tokens: Sequence[int], prompt_len: int, vocab: int | None = None
+) -> np.ndarray:
     """Whether ``model``'s greedy next token is the true one, at every output position.
 
     One jitted causal forward of the whole sequence (padded to a power-of-two length bucket,
@@ -234,7 +238,12 @@ def analyze(
         raise ValueError(f"draft_matches has {len(draft_matches)} entries for {n} output tokens")
     ngram = ngram_accept_lengths(prompt + output, len(prompt), k, n_min, n_max)
     draft = run_lengths(draft_matches, k)
-    lengths = {"ngram": ngram, "draft": draft, "oracle": oracle_lengths(n, k), "combine": combine(ngram, draft)}
+    lengths = {
+        "ngram": ngram,
+        "draft": draft,
+        "oracle": oracle_lengths(n, k),
+        "combine": combine(ngram, draft),
+    }
     # overlap of the output with the prompt: BLEU-4 without the brevity penalty, which would
     # punish every output shorter than its prompt (most of them) whatever it copied
     score = bleu4(output, prompt, brevity_penalty=False)

@@ -72,7 +72,6 @@ Conventions chosen to reproduce the paper (``python -m ssd_jax.sdsl --fit`` prin
   verification becomes compute bound and the best draft gets smaller.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -269,8 +268,14 @@ def best_integer_gamma(alpha, r) -> np.ndarray:
 
 
 # --- acceptance and loss laws -----------------------------------------------------------
-def alpha_from_ppl(x_draft_ppl, y_target_ppl, A: float = ACCEPTANCE.A, B: float = ACCEPTANCE.B,
-                   C: float = ACCEPTANCE.C, clip: bool = True) -> np.ndarray:
+def alpha_from_ppl(
+    x_draft_ppl,
+    y_target_ppl,
+    A: float = ACCEPTANCE.A,
+    B: float = ACCEPTANCE.B,
+    C: float = ACCEPTANCE.C,
+    clip: bool = True,
+) -> np.ndarray:
     """α = A·x + B·y + C from the draft's (x) and target's (y) per-token perplexities.
 
     The linear law is unbounded; with ``clip`` the result is kept in
@@ -281,8 +286,15 @@ def alpha_from_ppl(x_draft_ppl, y_target_ppl, A: float = ACCEPTANCE.A, B: float 
     return np.clip(a, ALPHA_EPS, 1.0 - ALPHA_EPS) if clip else a
 
 
-def loss(N, D=DEFAULT_TOKENS, E: float = CHINCHILLA.E, A_L: float = CHINCHILLA.A_L,
-         B_L: float = CHINCHILLA.B_L, a: float = CHINCHILLA.a, b: float = CHINCHILLA.b) -> np.ndarray:
+def loss(
+    N,
+    D=DEFAULT_TOKENS,
+    E: float = CHINCHILLA.E,
+    A_L: float = CHINCHILLA.A_L,
+    B_L: float = CHINCHILLA.B_L,
+    a: float = CHINCHILLA.a,
+    b: float = CHINCHILLA.b,
+) -> np.ndarray:
     """Chinchilla loss L(N, D) = E + A_L/N^a + B_L/D^b (nats/token); D = inf drops the data term."""
     N = np.asarray(N, np.float64)
     D = np.asarray(D, np.float64)
@@ -317,7 +329,9 @@ class DraftPlan:
     integer_gamma: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in dataclasses.asdict(self).items()}
+        return {
+            k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in dataclasses.asdict(self).items()
+        }
 
 
 def _positive(name: str, v) -> np.ndarray:
@@ -334,8 +348,15 @@ def _check_tokens(D) -> float:
     return D
 
 
-def evaluate_draft(M, N, D=DEFAULT_TOKENS, *, integer_gamma: bool = False, law: LossLaw = CHINCHILLA,
-                   acceptance: AcceptanceLaw = ACCEPTANCE) -> DraftPlan:
+def evaluate_draft(
+    M,
+    N,
+    D=DEFAULT_TOKENS,
+    *,
+    integer_gamma: bool = False,
+    law: LossLaw = CHINCHILLA,
+    acceptance: AcceptanceLaw = ACCEPTANCE,
+) -> DraftPlan:
     """Predicted α, best γ, throughput and speedup for draft size(s) N and target size M."""
     M = float(_positive("target parameters M", M))
     N = _positive("draft parameters N", N)
@@ -355,8 +376,15 @@ def evaluate_draft(M, N, D=DEFAULT_TOKENS, *, integer_gamma: bool = False, law: 
     return DraftPlan(M=M, N=N, D=D, target_ppl=float(y), integer_gamma=integer_gamma, **out)
 
 
-def optimal_draft(M, D=DEFAULT_TOKENS, *, integer_gamma: bool = False, law: LossLaw = CHINCHILLA,
-                  acceptance: AcceptanceLaw = ACCEPTANCE, grid_points: int = 241) -> DraftPlan:
+def optimal_draft(
+    M,
+    D=DEFAULT_TOKENS,
+    *,
+    integer_gamma: bool = False,
+    law: LossLaw = CHINCHILLA,
+    acceptance: AcceptanceLaw = ACCEPTANCE,
+    grid_points: int = 241,
+) -> DraftPlan:
     """The throughput-optimal draft size for target size M (γ re-optimised at every N).
 
     Searches N over ``[M·1e−6, M]`` on a log-spaced grid, then refines around the best grid
@@ -440,11 +468,26 @@ def flatness(M, D=DEFAULT_TOKENS, factors=(0.25, 0.5, 2.0, 4.0), drafts=(), **kw
     Ns = [best.N * float(f) for f in factors] + extra
     rows = []
     for n in Ns:
-        p = evaluate_draft(best.M, n, D, integer_gamma=kw.get("integer_gamma", False),
-                           law=kw.get("law", CHINCHILLA), acceptance=kw.get("acceptance", ACCEPTANCE))
+        p = evaluate_draft(
+            best.M,
+            n,
+            D,
+            integer_gamma=kw.get("integer_gamma", False),
+            law=kw.get("law", CHINCHILLA),
+            acceptance=kw.get("acceptance", ACCEPTANCE),
+        )
         rel = p.throughput / best.throughput
-        rows.append(dict(factor=n / best.N, N=n, gamma=p.gamma, alpha=p.alpha, speedup=p.speedup,
-                         rel_throughput=rel, loss_pct=100.0 * (1.0 - rel)))
+        rows.append(
+            dict(
+                factor=n / best.N,
+                N=n,
+                gamma=p.gamma,
+                alpha=p.alpha,
+                speedup=p.speedup,
+                rel_throughput=rel,
+                loss_pct=100.0 * (1.0 - rel),
+            )
+        )
     return rows
 
 

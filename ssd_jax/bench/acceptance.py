@@ -36,16 +36,30 @@ def round_stats(accepted_per_round: Sequence[int], drafted: int, k: int) -> dict
     at_least = [float((n >= j).mean()) if rounds else 0.0 for j in range(1, k + 1)]
     cond = [at_least[0]] + [a / b if b > 0 else 0.0 for a, b in zip(at_least[1:], at_least[:-1])]
     acc = int(n.sum())
-    return {"rounds": rounds, "accepted": acc, "drafted": int(drafted),
-            "acceptance": acc / drafted if drafted else 0.0,
-            "tokens_per_round": (acc + rounds) / rounds if rounds else 0.0,
-            "at_least": at_least, "conditional": cond,
-            "histogram": np.bincount(n, minlength=k + 1).tolist() if rounds else [0] * (k + 1)}
+    return {
+        "rounds": rounds,
+        "accepted": acc,
+        "drafted": int(drafted),
+        "acceptance": acc / drafted if drafted else 0.0,
+        "tokens_per_round": (acc + rounds) / rounds if rounds else 0.0,
+        "at_least": at_least,
+        "conditional": cond,
+        "histogram": np.bincount(n, minlength=k + 1).tolist() if rounds else [0] * (k + 1),
+    }
 
 
-def measure(target, draft, records: dict[str, list[dict]], *, temperatures: Sequence[float] = (0.0, 1.0),
-            ks: Sequence[int] = (4,), new_tokens: int = 64, chat: bool = True, seed: int = 0,
-            draft_vocab: int | None = None) -> dict[str, Any]:
+def measure(
+    target,
+    draft,
+    records: dict[str, list[dict]],
+    *,
+    temperatures: Sequence[float] = (0.0, 1.0),
+    ks: Sequence[int] = (4,),
+    new_tokens: int = 64,
+    chat: bool = True,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+) -> dict[str, Any]:
     """Acceptance of ``draft`` against ``target`` per (K, temperature, category) and over all categories.
 
     ``records``: category -> prompt records (``{"id", "prompt"}``), e.g. from
@@ -73,34 +87,64 @@ def measure(target, draft, records: dict[str, list[dict]], *, temperatures: Sequ
                 drafted = sum(m["drafted"] for m in per)
                 pooled += counts
                 drafted_all += drafted
-                cells.append({"k": int(k), "temperature": float(t), "category": cat, "prompts": len(prompts),
-                              "prompt_ids": [r["id"] for r in recs], "wall_s": time.perf_counter() - t0,
-                              **round_stats(counts, drafted, int(k))})
-            cells.append({"k": int(k), "temperature": float(t), "category": "all",
-                          "prompts": sum(len(r) for r in records.values()), **round_stats(pooled, drafted_all, int(k))})
-    return {"target": target.name, "draft": draft.name, "draft_weights_sha256": getattr(draft, "weights_sha256", None),
-            "new_tokens": new_tokens, "chat": chat, "seed": seed,
-            "draft_vocab": draft_vocab if draft_vocab is not None else head_vocab(draft), "cells": cells}
+                cells.append(
+                    {
+                        "k": int(k),
+                        "temperature": float(t),
+                        "category": cat,
+                        "prompts": len(prompts),
+                        "prompt_ids": [r["id"] for r in recs],
+                        "wall_s": time.perf_counter() - t0,
+                        **round_stats(counts, drafted, int(k)),
+                    }
+                )
+            cells.append(
+                {
+                    "k": int(k),
+                    "temperature": float(t),
+                    "category": "all",
+                    "prompts": sum(len(r) for r in records.values()),
+                    **round_stats(pooled, drafted_all, int(k)),
+                }
+            )
+    return {
+        "target": target.name,
+        "draft": draft.name,
+        "draft_weights_sha256": getattr(draft, "weights_sha256", None),
+        "new_tokens": new_tokens,
+        "chat": chat,
+        "seed": seed,
+        "draft_vocab": draft_vocab if draft_vocab is not None else head_vocab(draft),
+        "cells": cells,
+    }
 
 
 def render(res: dict[str, Any], title: str | None = None) -> str:
     """The markdown table of :func:`measure`'s result."""
     ks = sorted({c["k"] for c in res["cells"]})
     kmax = max(ks)
-    lines = [f"# {title or 'Acceptance by position and category'}", "",
-             f"Target {res['target']}, draft {res['draft']}"
-             + (f" (vocabulary {res['draft_vocab']})" if res.get("draft_vocab") else "")
-             + f"; {res['new_tokens']} new tokens per prompt, chat template: {'yes' if res['chat'] else 'no'}, "
-             f"seed {res['seed']}. Held-out prompts (the benchmark categories; never training prompts).", "",
-             ">= j: the fraction of verify rounds that accepted at least j of the K proposals. "
-             "acceptance: accepted / drafted proposals. tokens/round: accepted + 1 (the bonus token).", "",
-             "| K | T | category | prompts | rounds | acceptance | tokens/round | "
-             + " | ".join(f">= {j}" for j in range(1, kmax + 1)) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * kmax]
+    lines = [
+        f"# {title or 'Acceptance by position and category'}",
+        "",
+        f"Target {res['target']}, draft {res['draft']}"
+        + (f" (vocabulary {res['draft_vocab']})" if res.get("draft_vocab") else "")
+        + f"; {res['new_tokens']} new tokens per prompt, chat template: {'yes' if res['chat'] else 'no'}, "
+        f"seed {res['seed']}. Held-out prompts (the benchmark categories; never training prompts).",
+        "",
+        ">= j: the fraction of verify rounds that accepted at least j of the K proposals. "
+        "acceptance: accepted / drafted proposals. tokens/round: accepted + 1 (the bonus token).",
+        "",
+        "| K | T | category | prompts | rounds | acceptance | tokens/round | "
+        + " | ".join(f">= {j}" for j in range(1, kmax + 1))
+        + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * kmax,
+    ]
     for c in res["cells"]:
         pos = [f"{x:.2f}" for x in c["at_least"]] + ["-"] * (kmax - c["k"])
-        lines.append(f"| {c['k']} | {c['temperature']:g} | {c['category']} | {c['prompts']} | {c['rounds']} "
-                     f"| {c['acceptance']:.3f} | {c['tokens_per_round']:.2f} | " + " | ".join(pos) + " |")
+        lines.append(
+            f"| {c['k']} | {c['temperature']:g} | {c['category']} | {c['prompts']} | {c['rounds']} "
+            f"| {c['acceptance']:.3f} | {c['tokens_per_round']:.2f} | " + " | ".join(pos) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -125,8 +169,16 @@ def suite(args) -> Path:
     target = ssd_jax.load_model(args.target, dtype=args.dtype)
     draft = load_draft(args.draft, target)
     records = {c: category_prompts(c, args.n_prompts) for c in args.categories}
-    res = measure(target, draft, records, temperatures=args.temperatures, ks=args.ks, new_tokens=args.new_tokens,
-                  chat=args.chat, seed=args.seed)
+    res = measure(
+        target,
+        draft,
+        records,
+        temperatures=args.temperatures,
+        ks=args.ks,
+        new_tokens=args.new_tokens,
+        chat=args.chat,
+        seed=args.seed,
+    )
     res["env"] = environment()
     stem = Path(args.out) / (f"acceptance_{jax.default_backend()}" + (f"_{args.tag}" if args.tag else ""))
     return write(res, stem)[1]

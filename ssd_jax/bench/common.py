@@ -16,7 +16,9 @@ def environment() -> dict:
     from ssd_jax import xla_env
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     dev = jax.devices()[0]
@@ -40,6 +42,10 @@ def load_draft(name: str, target):
 
     if name.startswith("first-") and name.endswith("-layers"):
         n = int(name.split("-")[1])
-        return dataclasses.replace(target, name=f"{target.name}-first-{n}-layers", cfg=target.cfg.replace(num_layers=n),
-                                   params={**target.params, "layers": target.params["layers"][:n]})
+        return dataclasses.replace(
+            target,
+            name=f"{target.name}-first-{n}-layers",
+            cfg=target.cfg.replace(num_layers=n),
+            params={**target.params, "layers": target.params["layers"][:n]},
+        )
     return ssd_jax.load_model(name)

@@ -55,9 +55,19 @@ def snapshots(run: Path) -> dict[int, Path]:
     return {int(p.name): p for p in d.iterdir() if p.name.isdigit() and dfmt.is_draft_dir(p)}
 
 
-def curve(run: str | Path, target=None, records: dict[str, list[dict]] | None = None, *, k: int = 4,
-          temperature: float = 0.0, new_tokens: int = 64, chat: bool = True,
-          cached: dict[str, Any] | None = None, save=None, log=print) -> dict[str, Any]:
+def curve(
+    run: str | Path,
+    target=None,
+    records: dict[str, list[dict]] | None = None,
+    *,
+    k: int = 4,
+    temperature: float = 0.0,
+    new_tokens: int = 64,
+    chat: bool = True,
+    cached: dict[str, Any] | None = None,
+    save=None,
+    log=print,
+) -> dict[str, Any]:
     """The learning curve of one run: a point per training evaluation, with the SD acceptance on
     ``records`` (held-out prompts) where a snapshot exists and ``target`` is given. ``cached``: an
     earlier result of this run (its measurements are reused); ``save(partial)`` is called after
@@ -70,18 +80,38 @@ def curve(run: str | Path, target=None, records: dict[str, list[dict]] | None = 
         meta = json.loads((run / dfmt.DRAFT_META).read_text())
         a = meta["train"]["args"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"{run} is not a training run (no readable {dfmt.DRAFT_META} with its training args)") from None
+        raise UserError(
+            f"{run} is not a training run (no readable {dfmt.DRAFT_META} with its training args)"
+        ) from None
     window = a["batch_size"] * a["seq_len"]
     loss_tok = _loss_tokens(run)
     snaps = snapshots(run)
-    old = {(p["step"], p.get("params_sha256")): p.get("sd") for p in (cached or {}).get("points", []) if p.get("sd")}
+    old = {
+        (p["step"], p.get("params_sha256")): p.get("sd")
+        for p in (cached or {}).get("points", [])
+        if p.get("sd")
+    }
     points = []
-    head = {"run": str(run), "name": run.name, "loss": a.get("loss"), "batch_size": a["batch_size"],
-            "seq_len": a["seq_len"], "steps": meta.get("step"), "points": points}
+    head = {
+        "run": str(run),
+        "name": run.name,
+        "loss": a.get("loss"),
+        "batch_size": a["batch_size"],
+        "seq_len": a["seq_len"],
+        "steps": meta.get("step"),
+        "points": points,
+    }
     for e in sorted(meta.get("evals", []), key=lambda e: e["step"]):
         s = e["step"]
-        p = {"step": s, "window_tokens": s * window, "loss_tokens": loss_tok.get(s, 0.0 if s == 0 else None),
-             "alpha_t1": e.get("alpha"), "greedy_match": e.get("greedy_match"), "ppl": e.get("ppl"), "sd": None}
+        p = {
+            "step": s,
+            "window_tokens": s * window,
+            "loss_tokens": loss_tok.get(s, 0.0 if s == 0 else None),
+            "alpha_t1": e.get("alpha"),
+            "greedy_match": e.get("greedy_match"),
+            "ppl": e.get("ppl"),
+            "sd": None,
+        }
         if s in snaps:
             sha = dfmt.read_meta(snaps[s]).get("params_sha256")
             p["params_sha256"] = sha
@@ -91,13 +121,27 @@ def curve(run: str | Path, target=None, records: dict[str, list[dict]] | None = 
                 from ssd_jax.bench.common import load_draft
 
                 log(f"{run.name} step {s}: SD acceptance at T = {temperature:g}, K = {k}")
-                res = acceptance.measure(target, load_draft(str(snaps[s]), target), records, temperatures=(temperature,),
-                                         ks=(k,), new_tokens=new_tokens, chat=chat)
+                res = acceptance.measure(
+                    target,
+                    load_draft(str(snaps[s]), target),
+                    records,
+                    temperatures=(temperature,),
+                    ks=(k,),
+                    new_tokens=new_tokens,
+                    chat=chat,
+                )
                 allc = next(c for c in res["cells"] if c["category"] == "all")
-                p["sd"] = {"k": k, "temperature": temperature, "acceptance": allc["acceptance"],
-                           "tokens_per_round": allc["tokens_per_round"], "at_least": allc["at_least"],
-                           "rounds": allc["rounds"],
-                           "by_category": {c["category"]: c["acceptance"] for c in res["cells"] if c["category"] != "all"}}
+                p["sd"] = {
+                    "k": k,
+                    "temperature": temperature,
+                    "acceptance": allc["acceptance"],
+                    "tokens_per_round": allc["tokens_per_round"],
+                    "at_least": allc["at_least"],
+                    "rounds": allc["rounds"],
+                    "by_category": {
+                        c["category"]: c["acceptance"] for c in res["cells"] if c["category"] != "all"
+                    },
+                }
                 if save is not None:
                     save({**head, "points": points + [p]})
         points.append(p)
@@ -105,23 +149,33 @@ def curve(run: str | Path, target=None, records: dict[str, list[dict]] | None = 
 
 
 def render(curves: Sequence[dict[str, Any]]) -> str:
-    lines = ["# Learning curve: acceptance against training tokens", "",
-             "alpha (T=1) and greedy match: the training evaluations, teacher-forced on the held-out split of the "
-             "training corpus (greedy match = per-token acceptance of greedy SD on that text). SD acceptance: "
-             "SD runs on held-out benchmark prompts (accepted / drafted) with the draft exported at that step "
-             "(`--keep-evals`); '-' where no snapshot was kept.", ""]
+    lines = [
+        "# Learning curve: acceptance against training tokens",
+        "",
+        "alpha (T=1) and greedy match: the training evaluations, teacher-forced on the held-out split of the "
+        "training corpus (greedy match = per-token acceptance of greedy SD on that text). SD acceptance: "
+        "SD runs on held-out benchmark prompts (accepted / drafted) with the draft exported at that step "
+        "(`--keep-evals`); '-' where no snapshot was kept.",
+        "",
+    ]
     for c in curves:
         sd = next((p["sd"] for p in c["points"] if p["sd"]), None)
         head = f"SD acceptance (T = {sd['temperature']:g}, K = {sd['k']})" if sd else "SD acceptance"
-        lines += [f"## {c['name']} ({c['loss']}, {c['batch_size']} x {c['seq_len']} tokens per step)", "",
-                  f"| step | window tokens | tokens with a loss | alpha (T=1) | greedy match | ppl | {head} "
-                  "| tokens/round |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {c['name']} ({c['loss']}, {c['batch_size']} x {c['seq_len']} tokens per step)",
+            "",
+            f"| step | window tokens | tokens with a loss | alpha (T=1) | greedy match | ppl | {head} "
+            "| tokens/round |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for p in c["points"]:
             f = lambda x, q=3: "-" if x is None else f"{x:.{q}f}"  # noqa: E731
             lt = "-" if p["loss_tokens"] is None else f"{p['loss_tokens']:,.0f}"
-            lines.append(f"| {p['step']} | {p['window_tokens']:,} | {lt} | {f(p['alpha_t1'])} | {f(p['greedy_match'])} "
-                         f"| {f(p['ppl'], 1)} | {f(p['sd'] and p['sd']['acceptance'])} "
-                         f"| {f(p['sd'] and p['sd']['tokens_per_round'], 2)} |")
+            lines.append(
+                f"| {p['step']} | {p['window_tokens']:,} | {lt} | {f(p['alpha_t1'])} | {f(p['greedy_match'])} "
+                f"| {f(p['ppl'], 1)} | {f(p['sd'] and p['sd']['acceptance'])} "
+                f"| {f(p['sd'] and p['sd']['tokens_per_round'], 2)} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -154,8 +208,18 @@ def plot(curves: Sequence[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def write(runs: Sequence[str | Path], out: str | Path, *, target=None, records=None, k: int = 4,
-          temperature: float = 0.0, new_tokens: int = 64, chat: bool = True, log=print) -> Path:
+def write(
+    runs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    target=None,
+    records=None,
+    k: int = 4,
+    temperature: float = 0.0,
+    new_tokens: int = 64,
+    chat: bool = True,
+    log=print,
+) -> Path:
     """``<out>/learning_curve.{json,md,png}`` for ``runs``; reuses the SD measurements the JSON holds."""
     from ssd_jax.loading.draft import write_json_atomic
 
@@ -171,8 +235,20 @@ def write(runs: Sequence[str | Path], out: str | Path, *, target=None, records=N
             rest = [c for p, c in cached.items() if p != key and p not in {x["run"] for x in curves}]
             write_json_atomic(js, {"curves": curves + [partial] + rest})
 
-        curves.append(curve(r, target, records, k=k, temperature=temperature, new_tokens=new_tokens, chat=chat,
-                            cached=cached.get(key), save=save, log=log))
+        curves.append(
+            curve(
+                r,
+                target,
+                records,
+                k=k,
+                temperature=temperature,
+                new_tokens=new_tokens,
+                chat=chat,
+                cached=cached.get(key),
+                save=save,
+                log=log,
+            )
+        )
     write_json_atomic(js, {"curves": curves})
     plot(curves, out / "learning_curve.png")
     md = out / "learning_curve.md"

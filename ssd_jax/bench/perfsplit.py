@@ -70,7 +70,9 @@ def load_split(path: str | os.PathLike) -> dict:
     for rule in sp["fit"] + sp.get("holdout", []):
         bad = set(rule.get("where", {})) - set(CELL_FIELDS)
         if bad:
-            raise UserError(f"{path}: unknown cell field(s) {sorted(bad)} in rule {rule} (fields: {CELL_FIELDS})")
+            raise UserError(
+                f"{path}: unknown cell field(s) {sorted(bad)} in rule {rule} (fields: {CELL_FIELDS})"
+            )
     hw = HARDWARE[sp.get("hardware", "cpu")]
     bad = [c for c in sp["fit_constants"] if not hasattr(hw, c)]
     if bad:
@@ -138,8 +140,11 @@ def protocol_kind(method: str) -> str:
 def infer_k(runs: list[dict]) -> int | None:
     """K of a ``kauto`` method: the largest (tokens per round − 1) / acceptance over its runs, rounded
     (a round that proposed K tokens and accepted a of them has acceptance a/K; n-gram rounds may propose fewer)."""
-    ks = [(r["tokens_per_round"] - 1) / r["acceptance_rate"] for r in runs
-          if r.get("acceptance_rate") and r.get("tokens_per_round")]
+    ks = [
+        (r["tokens_per_round"] - 1) / r["acceptance_rate"]
+        for r in runs
+        if r.get("acceptance_rate") and r.get("tokens_per_round")
+    ]
     return max(1, round(max(ks))) if ks else None
 
 
@@ -161,16 +166,31 @@ def protocol_cells(path: str | os.PathLike, name: str | None = None) -> list[dic
             xs = [r[f] for r in runs if r.get(f) is not None]
             return sum(xs) / len(xs) if xs else None
 
-        cells.append({
-            "file": name or str(path), "target": target, "draft": draft if kind in ("sd", "ssd") else None,
-            "batch": b, "category": cat, "part": "protocol", "method": meth, "kind": kind,
-            "k": (_k_from_method(meth) or infer_k(runs)) if kind != "ar" else None,
-            "draft_vocab": _vocab_from_method(meth), "runs": len(runs),
-            "prompts": len({r["prompt_index"] for r in runs}), "measured": m, "ci": (lo, hi),
-            "tokens_per_round": avg("tokens_per_round"), "acceptance": avg("acceptance_rate"),
-            "cache_hit_rate": avg("cache_hit_rate"), "tau_hit": avg("tau_hit"), "tau_miss": avg("tau_miss"),
-            "load": sum((r["loadavg_before"] + r["loadavg_after"]) / 2 for r in runs) / len(runs),
-            "new_tokens": runs[0].get("new_tokens")})
+        cells.append(
+            {
+                "file": name or str(path),
+                "target": target,
+                "draft": draft if kind in ("sd", "ssd") else None,
+                "batch": b,
+                "category": cat,
+                "part": "protocol",
+                "method": meth,
+                "kind": kind,
+                "k": (_k_from_method(meth) or infer_k(runs)) if kind != "ar" else None,
+                "draft_vocab": _vocab_from_method(meth),
+                "runs": len(runs),
+                "prompts": len({r["prompt_index"] for r in runs}),
+                "measured": m,
+                "ci": (lo, hi),
+                "tokens_per_round": avg("tokens_per_round"),
+                "acceptance": avg("acceptance_rate"),
+                "cache_hit_rate": avg("cache_hit_rate"),
+                "tau_hit": avg("tau_hit"),
+                "tau_miss": avg("tau_miss"),
+                "load": sum((r["loadavg_before"] + r["loadavg_after"]) / 2 for r in runs) / len(runs),
+                "new_tokens": runs[0].get("new_tokens"),
+            }
+        )
     return cells
 
 
@@ -179,8 +199,11 @@ def _two_mesh_as_results(d: dict) -> dict:
     words = d.get("command", "").split()
     arg = lambda f: words[words.index(f) + 1] if f in words else None  # noqa: E731
     rows = []
-    for key, part, meth in (("ar", "two-mesh", "ar"), ("single_device", "two-mesh", "ssd-one-device"),
-                            ("two_meshes", "two-mesh", "ssd-two-meshes")):
+    for key, part, meth in (
+        ("ar", "two-mesh", "ar"),
+        ("single_device", "two-mesh", "ssd-one-device"),
+        ("two_meshes", "two-mesh", "ssd-two-meshes"),
+    ):
         if key in d:
             rows.append({**d[key], "suite": part, "method": meth, "category": "code", "prompt_index": 0})
     return {"suite": "ssd", "target": arg("--target"), "draft": arg("--draft"), "rows": rows}
@@ -198,24 +221,48 @@ def results_cells(path: str | os.PathLike, name: str | None = None) -> list[dict
     for r in res["rows"]:
         if not r.get("generated_tokens") or r["wall_s"] <= r["ttft_s"]:
             continue
-        groups[(r.get("suite", ""), r.get("category", ""), float(r.get("temperature", 0.0) or 0.0),
-                int(r.get("batch_size", 1)), r["method"])].append(r)
+        groups[
+            (
+                r.get("suite", ""),
+                r.get("category", ""),
+                float(r.get("temperature", 0.0) or 0.0),
+                int(r.get("batch_size", 1)),
+                r["method"],
+            )
+        ].append(r)
     cells = []
     for (part, cat, temp, b, meth), rows in groups.items():
-        tok = [(r.get("prompt_index", i), (r["generated_tokens"] - b) / (r["wall_s"] - r["ttft_s"]))
-               for i, r in enumerate(rows)]
+        tok = [
+            (r.get("prompt_index", i), (r["generated_tokens"] - b) / (r["wall_s"] - r["ttft_s"]))
+            for i, r in enumerate(rows)
+        ]
         m, lo, hi = mean_ci(clustered(tok))
         kind = method_kind(rows[0])
         steps = [r.get("verify_steps") for r in rows if r.get("verify_steps")]
-        cells.append({
-            "file": name or str(path), "target": res["target"], "draft": res["draft"] if kind in ("sd", "ssd") else None,
-            "batch": b, "category": cat if temp == 0 else f"{cat} T={temp:g}", "part": part, "method": meth,
-            "kind": kind, "k": rows[0].get("k"), "runs": len(rows), "prompts": len({p for p, _ in tok}),
-            "measured": m, "ci": (lo, hi),
-            "tokens_per_round": (sum(r["generated_tokens"] - b for r in rows) / b / sum(steps)) if steps else None,
-            "acceptance": (sum(r["acceptance_rate"] for r in rows) / len(rows)) if kind != "ar" else None,
-            "load": sum(r["loadavg"][0] for r in rows if r.get("loadavg")) / len(rows),
-            "_res": res, "_rows": rows})
+        cells.append(
+            {
+                "file": name or str(path),
+                "target": res["target"],
+                "draft": res["draft"] if kind in ("sd", "ssd") else None,
+                "batch": b,
+                "category": cat if temp == 0 else f"{cat} T={temp:g}",
+                "part": part,
+                "method": meth,
+                "kind": kind,
+                "k": rows[0].get("k"),
+                "runs": len(rows),
+                "prompts": len({p for p, _ in tok}),
+                "measured": m,
+                "ci": (lo, hi),
+                "tokens_per_round": (sum(r["generated_tokens"] - b for r in rows) / b / sum(steps))
+                if steps
+                else None,
+                "acceptance": (sum(r["acceptance_rate"] for r in rows) / len(rows)) if kind != "ar" else None,
+                "load": sum(r["loadavg"][0] for r in rows if r.get("loadavg")) / len(rows),
+                "_res": res,
+                "_rows": rows,
+            }
+        )
     return cells
 
 
@@ -245,8 +292,10 @@ def predict_cell(hw: Hardware, cell: dict, context: float = 256.0) -> float | No
     """Predicted decode tok/s (all rows of the batch) of a cell, or None when an input is missing."""
     try:
         if "_rows" in cell:
-            preds = clustered((r.get("prompt_index", i), predict_row(hw, cell["_res"], r).throughput)
-                              for i, r in enumerate(cell["_rows"]))
+            preds = clustered(
+                (r.get("prompt_index", i), predict_row(hw, cell["_res"], r).throughput)
+                for i, r in enumerate(cell["_rows"])
+            )
             return sum(preds) / len(preds)
         t = model_shape(cell["target"])
         b, k, tau, kind = cell["batch"], cell.get("k"), cell.get("tokens_per_round"), cell["kind"]
@@ -261,19 +310,30 @@ def predict_cell(hw: Hardware, cell: dict, context: float = 256.0) -> float | No
         d = _draft_shape(cell)
         if kind == "sd":
             a = cell.get("acceptance") or 0.0
-            return predict_sd(hw, t, d, k=k, tokens_per_round=tau, p_catch_up=1 - (1 - a**k) ** b, batch=b,
-                              context=ctx).throughput
+            return predict_sd(
+                hw, t, d, k=k, tokens_per_round=tau, p_catch_up=1 - (1 - a**k) ** b, batch=b, context=ctx
+            ).throughput
         if cell.get("cache_hit_rate") is None:
             return None  # SSD without a recorded hit rate: not predictable
-        return predict_ssd(hw, t, d, k=k, fan_budget=2 * (k + 1), p_hit=cell["cache_hit_rate"],
-                           tau_hit=cell.get("tau_hit") or tau, tau_miss=cell.get("tau_miss") or tau, batch=b,
-                           context=ctx).throughput
+        return predict_ssd(
+            hw,
+            t,
+            d,
+            k=k,
+            fan_budget=2 * (k + 1),
+            p_hit=cell["cache_hit_rate"],
+            tau_hit=cell.get("tau_hit") or tau,
+            tau_miss=cell.get("tau_miss") or tau,
+            batch=b,
+            context=ctx,
+        ).throughput
     except KeyError:
         return None  # a model the perf model has no shape for
 
 
-def fit_constants(hw: Hardware, cells: list[dict], names: list[str], context: float = 256.0,
-                  iters: int = 60) -> tuple[Hardware, dict]:
+def fit_constants(
+    hw: Hardware, cells: list[dict], names: list[str], context: float = 256.0, iters: int = 60
+) -> tuple[Hardware, dict]:
     """Least squares on log(predicted / measured) over ``cells`` (and nothing else) for the constants ``names``
     (Levenberg-Marquardt in log space, numerical Jacobian). Returns the fitted hardware and a report."""
     cells = [c for c in cells if c["measured"] > 0 and predict_cell(hw, c, context)]
@@ -301,10 +361,16 @@ def fit_constants(hw: Hardware, cells: list[dict], names: list[str], context: fl
             if lam > 1e8:
                 break
     fitted = hw.replace(**{n: float(v) for n, v in zip(names, np.exp(x))})
-    return fitted, {"fitted": list(names), "cells": len(cells), "rms_log_residual": float(np.sqrt(np.mean(r**2)))}
+    return fitted, {
+        "fitted": list(names),
+        "cells": len(cells),
+        "rms_log_residual": float(np.sqrt(np.mean(r**2))),
+    }
 
 
-def validate_split(split_path: str | os.PathLike, hw: Hardware | None = None, root: str | os.PathLike = ".") -> dict:
+def validate_split(
+    split_path: str | os.PathLike, hw: Hardware | None = None, root: str | os.PathLike = "."
+) -> dict:
     """Fit the split's constants on its fit cells only, predict every cell, compare with the measured 95% CI."""
     split = load_split(split_path)
     base = hw or get_hardware(split.get("hardware", "cpu"))
@@ -317,12 +383,27 @@ def validate_split(split_path: str | os.PathLike, hw: Hardware | None = None, ro
         c["rel_err"] = p / c["measured"] - 1.0 if p and c["measured"] > 0 else None
         lo, hi = c["ci"]
         c["in_ci"] = None if p is None or math.isnan(lo) else bool(lo <= p <= hi)
-    cells.sort(key=lambda c: (not c["in_sample"], c["label"], c["file"], c["part"], c["batch"], c["category"],
-                              ["ar", "sd", "ngram", "ssd"].index(c["kind"]), c["method"]))
-    return {"split": {k: v for k, v in split.items() if not k.startswith("_")}, "split_path": split["_path"],
-            "base": dataclasses.asdict(base), "hardware": dataclasses.asdict(fitted), "fit": rep,
-            "cells": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cells],
-            "summary": error_summary(cells)}
+    cells.sort(
+        key=lambda c: (
+            not c["in_sample"],
+            c["label"],
+            c["file"],
+            c["part"],
+            c["batch"],
+            c["category"],
+            ["ar", "sd", "ngram", "ssd"].index(c["kind"]),
+            c["method"],
+        )
+    )
+    return {
+        "split": {k: v for k, v in split.items() if not k.startswith("_")},
+        "split_path": split["_path"],
+        "base": dataclasses.asdict(base),
+        "hardware": dataclasses.asdict(fitted),
+        "fit": rep,
+        "cells": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cells],
+        "summary": error_summary(cells),
+    }
 
 
 def error_summary(cells: list[dict]) -> list[dict]:
@@ -337,11 +418,19 @@ def error_summary(cells: list[dict]) -> list[dict]:
                 continue
             e = np.array([c["rel_err"] for c in cs if c.get("rel_err") is not None])
             ci = [c["in_ci"] for c in cs if c.get("in_ci") is not None]
-            out.append({"sample": "in" if ins else "out", "kind": kind, "cells": len(cs), "predicted": int(e.size),
-                        "max_abs_err": float(np.max(np.abs(e))) if e.size else None,
-                        "mean_abs_err": float(np.mean(np.abs(e))) if e.size else None,
-                        "mean_err": float(np.mean(e)) if e.size else None,
-                        "inside_ci": sum(ci), "with_ci": len(ci)})
+            out.append(
+                {
+                    "sample": "in" if ins else "out",
+                    "kind": kind,
+                    "cells": len(cs),
+                    "predicted": int(e.size),
+                    "max_abs_err": float(np.max(np.abs(e))) if e.size else None,
+                    "mean_abs_err": float(np.mean(np.abs(e))) if e.size else None,
+                    "mean_err": float(np.mean(e)) if e.size else None,
+                    "inside_ci": sum(ci),
+                    "with_ci": len(ci),
+                }
+            )
     return out
 
 
@@ -366,27 +455,46 @@ def render_split(v: dict) -> str:
     """The markdown of :func:`validate_split`: fitted constants, the per-cell table, the error summary."""
     hw, base, rep, sp = v["hardware"], v["base"], v["fit"], v["split"]
     n_in = sum(c["in_sample"] for c in v["cells"])
-    consts = {"step_overhead_s": ("step overhead per forward", 1e3, "ms"), "m_half": ("GEMM m_half", 1, "tokens"),
-              "host_overhead_s": ("host overhead per round", 1e3, "ms"), "bw_eff": ("bandwidth efficiency", 1, ""),
-              "flop_eff": ("flop efficiency", 1, ""), "sample_s_per_logit": ("sampling per logit", 1e9, "ns")}
-    out = [f"### Fit on the declared split (`{v['split_path']}`)", "",
-           f"Fitted on {rep['cells']} in-sample cells ({n_in} declared; rules: "
-           + "; ".join(f"{r.get('label', 'fit')}: {r.get('glob', '*')} {json.dumps(r.get('where', {}))}"
-                       for r in sp["fit"])
-           + f"), least squares on log(predicted / measured) decode tok/s; RMS log residual "
-           f"{rep.get('rms_log_residual', float('nan')):.3f}. Everything else keeps the `{sp.get('hardware', 'cpu')}` "
-           f"preset's value. Context assumed for protocol cells: {sp['context_tokens']} prompt tokens + half the new "
-           "tokens.", "", "| constant | preset | fitted |", "|---|---|---|"]
+    consts = {
+        "step_overhead_s": ("step overhead per forward", 1e3, "ms"),
+        "m_half": ("GEMM m_half", 1, "tokens"),
+        "host_overhead_s": ("host overhead per round", 1e3, "ms"),
+        "bw_eff": ("bandwidth efficiency", 1, ""),
+        "flop_eff": ("flop efficiency", 1, ""),
+        "sample_s_per_logit": ("sampling per logit", 1e9, "ns"),
+    }
+    out = [
+        f"### Fit on the declared split (`{v['split_path']}`)",
+        "",
+        f"Fitted on {rep['cells']} in-sample cells ({n_in} declared; rules: "
+        + "; ".join(
+            f"{r.get('label', 'fit')}: {r.get('glob', '*')} {json.dumps(r.get('where', {}))}"
+            for r in sp["fit"]
+        )
+        + f"), least squares on log(predicted / measured) decode tok/s; RMS log residual "
+        f"{rep.get('rms_log_residual', float('nan')):.3f}. Everything else keeps the `{sp.get('hardware', 'cpu')}` "
+        f"preset's value. Context assumed for protocol cells: {sp['context_tokens']} prompt tokens + half the new "
+        "tokens.",
+        "",
+        "| constant | preset | fitted |",
+        "|---|---|---|",
+    ]
     for key, (label, scale, unit) in consts.items():
         mark = " (fitted)" if key in rep["fitted"] else ""
         out.append(f"| {label}{mark} | {base[key] * scale:.3g} {unit} | {hw[key] * scale:.3g} {unit} |")
-    out += ["", "### Predicted vs measured decode tok/s, per cell", "",
-            "measured: mean over prompts (repeats averaged first) with its 95% t-interval, as the protocol reports it; "
-            "decode tok/s counts all rows of a batch. predicted: from the fitted constants and the cell's measured "
-            "tokens per round (SSD: hit rate, tau on hits / misses). error = predicted / measured − 1. `in CI`: the "
-            "prediction lies inside the measured interval (`-`: one prompt, no interval).", "",
-            "| sample | group | file | target / draft | b | category | method | K | prompts / runs | measured [95% CI] "
-            "| predicted | error | in CI | tokens/round | load |", "|" + "---|" * 15]
+    out += [
+        "",
+        "### Predicted vs measured decode tok/s, per cell",
+        "",
+        "measured: mean over prompts (repeats averaged first) with its 95% t-interval, as the protocol reports it; "
+        "decode tok/s counts all rows of a batch. predicted: from the fitted constants and the cell's measured "
+        "tokens per round (SSD: hit rate, tau on hits / misses). error = predicted / measured − 1. `in CI`: the "
+        "prediction lies inside the measured interval (`-`: one prompt, no interval).",
+        "",
+        "| sample | group | file | target / draft | b | category | method | K | prompts / runs | measured [95% CI] "
+        "| predicted | error | in CI | tokens/round | load |",
+        "|" + "---|" * 15,
+    ]
     for c in v["cells"]:
         lo, hi = c["ci"]
         meas = f"{c['measured']:.2f}" + ("" if math.isnan(lo) else f" [{lo:.2f}, {hi:.2f}]")
@@ -397,27 +505,44 @@ def render_split(v: dict) -> str:
         tpr = "-" if c.get("tokens_per_round") is None else f"{c['tokens_per_round']:.2f}"
         pred = "-" if c["predicted"] is None else f"{c['predicted']:.2f}"
         inci = "-" if c["in_ci"] is None else ("yes" if c["in_ci"] else "no")
-        out.append(f"| {'in' if c['in_sample'] else 'out'} | {c['label']} | {Path(c['file']).name} | {pair} "
-                   f"| {c['batch']} | {cat} | {c['method']} | {c['k'] or '-'} | {c['prompts']} / {c['runs']} | {meas} "
-                   f"| {pred} | {_pct(c['rel_err'])} | {inci} | {tpr} | {c['load']:.1f} |")
-    out += ["", "### Error summary", "",
-            "Absolute relative error of the predicted decode tok/s, per method; `in` = the cells the constants were "
-            "fitted on, `out` = held out (declared before the validation was looked at).", "",
-            "| sample | method | cells | predicted | max abs error | mean abs error | mean signed error "
-            "| inside measured 95% CI |", "|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {'in' if c['in_sample'] else 'out'} | {c['label']} | {Path(c['file']).name} | {pair} "
+            f"| {c['batch']} | {cat} | {c['method']} | {c['k'] or '-'} | {c['prompts']} / {c['runs']} | {meas} "
+            f"| {pred} | {_pct(c['rel_err'])} | {inci} | {tpr} | {c['load']:.1f} |"
+        )
+    out += [
+        "",
+        "### Error summary",
+        "",
+        "Absolute relative error of the predicted decode tok/s, per method; `in` = the cells the constants were "
+        "fitted on, `out` = held out (declared before the validation was looked at).",
+        "",
+        "| sample | method | cells | predicted | max abs error | mean abs error | mean signed error "
+        "| inside measured 95% CI |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in v["summary"]:
-        out.append(f"| {s['sample']} | {s['kind']} | {s['cells']} | {s['predicted']} | {_abs_pct(s['max_abs_err'])} "
-                   f"| {_abs_pct(s['mean_abs_err'])} | {_pct(s['mean_err'])} | {s['inside_ci']} / {s['with_ci']} |")
+        out.append(
+            f"| {s['sample']} | {s['kind']} | {s['cells']} | {s['predicted']} | {_abs_pct(s['max_abs_err'])} "
+            f"| {_abs_pct(s['mean_abs_err'])} | {_pct(s['mean_err'])} | {s['inside_ci']} / {s['with_ci']} |"
+        )
     by_label = defaultdict(list)
     for c in v["cells"]:
         if not c["in_sample"] and c.get("rel_err") is not None:
             by_label[c["label"]].append(c["rel_err"])
-    out += ["", "Held-out cells by group of the split:", "", "| group | cells | max abs error | mean abs error "
-            "| mean signed error |", "|---|---|---|---|---|"]
+    out += [
+        "",
+        "Held-out cells by group of the split:",
+        "",
+        "| group | cells | max abs error | mean abs error | mean signed error |",
+        "|---|---|---|---|---|",
+    ]
     for label, es in by_label.items():
         e = np.array(es)
-        out.append(f"| {label} | {e.size} | {_abs_pct(float(np.max(np.abs(e))))} | {_abs_pct(float(np.mean(np.abs(e))))} "
-                   f"| {_pct(float(np.mean(e)))} |")
+        out.append(
+            f"| {label} | {e.size} | {_abs_pct(float(np.max(np.abs(e))))} | {_abs_pct(float(np.mean(np.abs(e))))} "
+            f"| {_pct(float(np.mean(e)))} |"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -84,13 +84,21 @@ def build_units(records: dict[str, list[dict]], n_units: int, batch_size: int) -
         us = []
         for i in range(n_units):
             rs = [recs[(i * batch_size + j) % len(recs)] for j in range(batch_size)]
-            us.append(Unit(cat, i, tuple(r["prompt"] if isinstance(r["prompt"], str) else tuple(r["prompt"]) for r in rs),
-                           "+".join(str(r["id"]) for r in rs)))
+            us.append(
+                Unit(
+                    cat,
+                    i,
+                    tuple(r["prompt"] if isinstance(r["prompt"], str) else tuple(r["prompt"]) for r in rs),
+                    "+".join(str(r["id"]) for r in rs),
+                )
+            )
         per_cat[cat] = us
     return [u for i in range(n_units) for us in per_cat.values() for u in us[i : i + 1]]
 
 
-def run_order(methods: Sequence[str], position: int, repeat: int, order: str = "rotate", seed: int = 0) -> list[str]:
+def run_order(
+    methods: Sequence[str], position: int, repeat: int, order: str = "rotate", seed: int = 0
+) -> list[str]:
     """The order of ``methods`` for the unit at ``position`` (in the schedule) in ``repeat``.
 
     ``rotate``: shifted by ``position + repeat``, so every method runs at every place in turn;
@@ -125,7 +133,9 @@ class EngineRunner:
 
         sp, seen = self._sp(new_tokens), set()
         for u in units:
-            key = plan_batch(self.target, encode_prompts(self.target, list(u.prompts), self.chat), sp, self.spec)
+            key = plan_batch(
+                self.target, encode_prompts(self.target, list(u.prompts), self.chat), sp, self.spec
+            )
             if key not in seen:
                 seen.add(key)
                 self(u.prompts, new_tokens)
@@ -134,19 +144,36 @@ class EngineRunner:
     def __call__(self, prompts, new_tokens: int) -> dict[str, Any]:
         from ssd_jax.engine import generate
 
-        res = generate(self.target, [list(p) if not isinstance(p, str) else p for p in prompts], self._sp(new_tokens),
-                       self.spec, chat=self.chat)
+        res = generate(
+            self.target,
+            [list(p) if not isinstance(p, str) else p for p in prompts],
+            self._sp(new_tokens),
+            self.spec,
+            chat=self.chat,
+        )
         m = res.metrics
-        return {"generated_tokens": m["generated_tokens"], "wall_s": m["wall_s"], "ttft_s": m["ttft_s"],
-                "decode_tok_s": m["decode_tokens_per_s"], "e2e_tok_s": m["tokens_per_s"],
-                "compile_s": m.get("compile_s"), "acceptance_rate": m.get("acceptance_rate"),
-                "tokens_per_round": m.get("mean_acceptance_length"), "rounds": m.get("verify_steps"),
-                "k": m.get("k_mean") or m.get("k"), "cache_hit_rate": m.get("cache_hit_rate"), "tau_hit": m.get("tau_hit"),
-                "tau_miss": m.get("tau_miss"), "round_s": m.get("round_s"),
-                "token_ids": [o["token_ids"] for o in res.outputs]}
+        return {
+            "generated_tokens": m["generated_tokens"],
+            "wall_s": m["wall_s"],
+            "ttft_s": m["ttft_s"],
+            "decode_tok_s": m["decode_tokens_per_s"],
+            "e2e_tok_s": m["tokens_per_s"],
+            "compile_s": m.get("compile_s"),
+            "acceptance_rate": m.get("acceptance_rate"),
+            "tokens_per_round": m.get("mean_acceptance_length"),
+            "rounds": m.get("verify_steps"),
+            "k": m.get("k_mean") or m.get("k"),
+            "cache_hit_rate": m.get("cache_hit_rate"),
+            "tau_hit": m.get("tau_hit"),
+            "tau_miss": m.get("tau_miss"),
+            "round_s": m.get("round_s"),
+            "token_ids": [o["token_ids"] for o in res.outputs],
+        }
 
 
-def method_specs(names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def method_specs(
+    names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None
+) -> dict[str, Any]:
     """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
     K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. ``sd:K:vN`` /
     ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``); a further ``:bf16``
@@ -191,7 +218,9 @@ def method_specs(names: Sequence[str], draft=None, load_draft: Callable[[str], A
                 d, suffix = loaded[ref], f"{suffix}@{label}"
             if d is None:
                 raise UserError(f"method {n} needs a draft model")
-            out[f"{kind}{suffix}"] = SpecConfig(method=kind, draft=d, k=k, draft_vocab=vocab, draft_dtype=wdtype)
+            out[f"{kind}{suffix}"] = SpecConfig(
+                method=kind, draft=d, k=k, draft_vocab=vocab, draft_dtype=wdtype
+            )
         else:
             raise UserError(f"unknown method {n!r} {usage}")
     if "ar" not in out:
@@ -210,9 +239,19 @@ def _sha(token_ids) -> str:
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
 
 
-def run_protocol(runners: dict[str, Callable], units: Sequence[Unit], out_path: str | os.PathLike, *,
-                 repeats: int = 3, new_tokens: int = 64, order: str = "rotate", seed: int = 0, warmup: bool = True,
-                 env_extra: dict | None = None, progress: bool = True) -> Path:
+def run_protocol(
+    runners: dict[str, Callable],
+    units: Sequence[Unit],
+    out_path: str | os.PathLike,
+    *,
+    repeats: int = 3,
+    new_tokens: int = 64,
+    order: str = "rotate",
+    seed: int = 0,
+    warmup: bool = True,
+    env_extra: dict | None = None,
+    progress: bool = True,
+) -> Path:
     """Run (or resume) the protocol: every runner on every unit, ``repeats`` times, interleaved.
 
     ``runners``: method name -> callable ``(prompts, new_tokens) -> run metrics`` (optionally
@@ -226,23 +265,43 @@ def run_protocol(runners: dict[str, Callable], units: Sequence[Unit], out_path: 
     path.parent.mkdir(parents=True, exist_ok=True)
     old = read_rows(path)
     done = {_key(r) for r in old if r.get("kind") == "run"}
-    idents = {(r["batch_size"], r["category"], r["prompt_index"]): r["unit"] for r in old if r.get("kind") == "run"}
+    idents = {
+        (r["batch_size"], r["category"], r["prompt_index"]): r["unit"] for r in old if r.get("kind") == "run"
+    }
     for r in old:
         c = r.get("config", {}) if r.get("kind") == "env" else {}
         if c.get("batch_size") == batch and c.get("new_tokens") != new_tokens:
-            raise UserError(f"{path} holds runs of {c.get('new_tokens')} new tokens at batch {batch}, not "
-                            f"{new_tokens}: use a new file")
+            raise UserError(
+                f"{path} holds runs of {c.get('new_tokens')} new tokens at batch {batch}, not "
+                f"{new_tokens}: use a new file"
+            )
     for u in units:
         prev = idents.get((batch, u.category, u.index))
         if prev is not None and prev != u.ident:
-            raise UserError(f"{path} holds other prompts for {u.category}[{u.index}] at batch {batch}: use a new file")
-    todo = [(r, pos, u, m) for r in range(repeats) for pos, u in enumerate(units)
-            for m in run_order(list(runners), pos, r, order, seed) if (batch, u.category, u.index, r, m) not in done]
+            raise UserError(
+                f"{path} holds other prompts for {u.category}[{u.index}] at batch {batch}: use a new file"
+            )
+    todo = [
+        (r, pos, u, m)
+        for r in range(repeats)
+        for pos, u in enumerate(units)
+        for m in run_order(list(runners), pos, r, order, seed)
+        if (batch, u.category, u.index, r, m) not in done
+    ]
     if not todo:
         return path
-    config = {"methods": list(runners), "repeats": repeats, "new_tokens": new_tokens, "order": order, "seed": seed,
-              "batch_size": batch, "units": len(units)}
-    append_row(path, {"kind": "env", "time": time.time(), "config": config, **environment(), **(env_extra or {})})
+    config = {
+        "methods": list(runners),
+        "repeats": repeats,
+        "new_tokens": new_tokens,
+        "order": order,
+        "seed": seed,
+        "batch_size": batch,
+        "units": len(units),
+    }
+    append_row(
+        path, {"kind": "env", "time": time.time(), "config": config, **environment(), **(env_extra or {})}
+    )
     if warmup:
         for name, run in runners.items():
             t = time.perf_counter()
@@ -254,10 +313,21 @@ def run_protocol(runners: dict[str, Callable], units: Sequence[Unit], out_path: 
         order_now = run_order(list(runners), pos, r, order, seed)
         before = os.getloadavg()[0]
         m = runners[name](u.prompts, new_tokens)
-        row = {"kind": "run", "batch_size": batch, "category": u.category, "prompt_index": u.index, "unit": u.ident,
-               "repeat": r, "method": name, "position": order_now.index(name), "new_tokens": new_tokens,
-               "loadavg_before": before, "loadavg_after": os.getloadavg()[0], "time": time.time(),
-               **{k: v for k, v in m.items() if k != "token_ids"}}
+        row = {
+            "kind": "run",
+            "batch_size": batch,
+            "category": u.category,
+            "prompt_index": u.index,
+            "unit": u.ident,
+            "repeat": r,
+            "method": name,
+            "position": order_now.index(name),
+            "new_tokens": new_tokens,
+            "loadavg_before": before,
+            "loadavg_after": os.getloadavg()[0],
+            "time": time.time(),
+            **{k: v for k, v in m.items() if k != "token_ids"},
+        }
         if "token_ids" in m:
             row["tokens_sha"] = _sha(m["token_ids"])
         append_row(path, row)
@@ -273,6 +343,7 @@ def _bar(total: int, enabled: bool):
 
         return tqdm(total=total, disable=not enabled, unit="run")
     except ImportError:  # pragma: no cover - tqdm is a dependency
+
         class _Null:
             def update(self, _n):
                 pass
@@ -297,8 +368,10 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
     for r in runs:
         by[(r["batch_size"], r["category"], r["prompt_index"], r["repeat"])][r["method"]] = r
     out = []
-    groups = sorted({(r["batch_size"], c) for r in runs for c in (r["category"], "all")},
-                    key=lambda g: (g[0], g[1] == "all", g[1]))
+    groups = sorted(
+        {(r["batch_size"], c) for r in runs for c in (r["category"], "all")},
+        key=lambda g: (g[0], g[1] == "all", g[1]),
+    )
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for bs, cat in groups:
         cells = {k: v for k, v in by.items() if k[0] == bs and (cat == "all" or k[1] == cat)}
@@ -306,19 +379,31 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
             mine = [(k, v[meth]) for k, v in cells.items() if meth in v]
             if not mine:
                 continue
-            s = {"batch_size": bs, "category": cat, "method": meth, "runs": len(mine),
-                 "prompts": len({k[1:3] for k, _ in mine}), "repeats": len({k[3] for k, _ in mine})}
+            s = {
+                "batch_size": bs,
+                "category": cat,
+                "method": meth,
+                "runs": len(mine),
+                "prompts": len({k[1:3] for k, _ in mine}),
+                "repeats": len({k[3] for k, _ in mine}),
+            }
             for f in ("decode_tok_s", "e2e_tok_s"):
                 s[f] = mean_ci(clustered((k[1:3], v[f]) for k, v in mine))
-                pairs = [(k[1:3], v[f] / cells[k][base][f]) for k, v in mine
-                         if base in cells[k] and v[f] > 0 and cells[k][base][f] > 0]
+                pairs = [
+                    (k[1:3], v[f] / cells[k][base][f])
+                    for k, v in mine
+                    if base in cells[k] and v[f] > 0 and cells[k][base][f] > 0
+                ]
                 s[f + "_vs_base"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
                 s[f + "_pairs"] = len(pairs)
             for f in ("acceptance_rate", "tokens_per_round", "ttft_s", "k", "cache_hit_rate"):
                 vals = [v[f] for _, v in mine if v.get(f) is not None]
                 s[f] = sum(vals) / len(vals) if vals else None
-            same = [v["tokens_sha"] == cells[k]["ar"].get("tokens_sha") for k, v in mine
-                    if "ar" in cells[k] and "tokens_sha" in v]
+            same = [
+                v["tokens_sha"] == cells[k]["ar"].get("tokens_sha")
+                for k, v in mine
+                if "ar" in cells[k] and "tokens_sha" in v
+            ]
             s["same_tokens_as_ar"] = sum(same) / len(same) if same else None
             s["loadavg"] = sum((v["loadavg_before"] + v["loadavg_after"]) / 2 for _, v in mine) / len(mine)
             s["compiled_in_timed_runs"] = sum(1 for _, v in mine if (v.get("compile_s") or 0) > 0)
@@ -340,46 +425,71 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
     envs = [r for r in rows if r.get("kind") == "env"]
     e = envs[-1] if envs else {}
     cfg = e.get("config", {})
-    lines = [f"# {title}", "",
-             f"{e.get('backend', '?')} ({e.get('device_kind', '?')}, {e.get('cpu_count', '?')} cores), jax "
-             f"{e.get('jax', '?')}, commit {', '.join(dict.fromkeys(x.get('git_commit', '?') for x in envs))}; "
-             f"{len(envs)} session(s). Methods {cfg.get('methods')}, {cfg.get('new_tokens')} new tokens, greedy, "
-             f"order {cfg.get('order')}; load average (1 min) at session starts: "
-             f"{', '.join(format(x['loadavg'][0], '.2f') for x in envs if 'loadavg' in x)}.", ""]
-    for k in ("bandwidth_gb_s", "roofline_ar_tok_s_per_row", "target", "draft", "weights", "peer", "threads",
-              "versions"):
+    lines = [
+        f"# {title}",
+        "",
+        f"{e.get('backend', '?')} ({e.get('device_kind', '?')}, {e.get('cpu_count', '?')} cores), jax "
+        f"{e.get('jax', '?')}, commit {', '.join(dict.fromkeys(x.get('git_commit', '?') for x in envs))}; "
+        f"{len(envs)} session(s). Methods {cfg.get('methods')}, {cfg.get('new_tokens')} new tokens, greedy, "
+        f"order {cfg.get('order')}; load average (1 min) at session starts: "
+        f"{', '.join(format(x['loadavg'][0], '.2f') for x in envs if 'loadavg' in x)}.",
+        "",
+    ]
+    for k in (
+        "bandwidth_gb_s",
+        "roofline_ar_tok_s_per_row",
+        "target",
+        "draft",
+        "weights",
+        "peer",
+        "threads",
+        "versions",
+    ):
         if k in e:
             lines.append(f"- {k}: {e[k]}")
-    lines += ["", "Interleaved per unit in one process after a warm-up. Means with 95% t-intervals over prompts "
-              "(a prompt's repeats averaged first). Ratios: geometric mean of the paired per-(prompt, repeat) ratios "
-              f"to {base}, 95% t-interval on the log ratios across prompts. decode = tokens after the first / time after "
-              "the first token; e2e = all tokens / wall time (prefill included).", "",
-              f"| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs {base} [95% CI] "
-              f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | K | acceptance | tokens/round | SSD cache hits "
-              "| decode / AR roofline "
-              "| same tokens as AR | load avg | timed runs that compiled |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Interleaved per unit in one process after a warm-up. Means with 95% t-intervals over prompts "
+        "(a prompt's repeats averaged first). Ratios: geometric mean of the paired per-(prompt, repeat) ratios "
+        f"to {base}, 95% t-interval on the log ratios across prompts. decode = tokens after the first / time after "
+        "the first token; e2e = all tokens / wall time (prefill included).",
+        "",
+        f"| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs {base} [95% CI] "
+        f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | K | acceptance | tokens/round | SSD cache hits "
+        "| decode / AR roofline "
+        "| same tokens as AR | load avg | timed runs that compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     roof = e.get("roofline_ar_tok_s_per_row")
     for s in summarize(rows, base):
         f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
         frac = f"{s['decode_tok_s'][0] / (roof * s['batch_size']):.0%}" if roof else "-"
-        lines.append(f"| {s['batch_size']} | {s['category']} | {s['method']} | {s['prompts']} x {s['repeats']} "
-                     f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} | {_ci(s['e2e_tok_s'])} "
-                     f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['k'], 1)} | {f(s['acceptance_rate'])} "
-                     f"| {f(s['tokens_per_round'])} | {f(s['cache_hit_rate'])} "
-                     f"| {frac} | {f(s['same_tokens_as_ar'])} | {s['loadavg']:.2f} | {s['compiled_in_timed_runs']} |")
-    lines += ["", "decode / AR roofline: decode tok/s over the AR bandwidth ceiling (measured read bandwidth / weight "
-              "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%. K: the mean "
-              "speculation length over runs (with K auto, the measured choice); SSD cache hits: the share of rounds "
-              "whose speculation came from the cache."]
+        lines.append(
+            f"| {s['batch_size']} | {s['category']} | {s['method']} | {s['prompts']} x {s['repeats']} "
+            f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} | {_ci(s['e2e_tok_s'])} "
+            f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['k'], 1)} | {f(s['acceptance_rate'])} "
+            f"| {f(s['tokens_per_round'])} | {f(s['cache_hit_rate'])} "
+            f"| {frac} | {f(s['same_tokens_as_ar'])} | {s['loadavg']:.2f} | {s['compiled_in_timed_runs']} |"
+        )
+    lines += [
+        "",
+        "decode / AR roofline: decode tok/s over the AR bandwidth ceiling (measured read bandwidth / weight "
+        "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%. K: the mean "
+        "speculation length over runs (with K auto, the measured choice); SSD cache hits: the share of rounds "
+        "whose speculation came from the cache.",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def write_report(jsonl: str | os.PathLike, title: str = "Benchmark protocol", bases: Sequence[str] = ("ar",)) -> Path:
+def write_report(
+    jsonl: str | os.PathLike, title: str = "Benchmark protocol", bases: Sequence[str] = ("ar",)
+) -> Path:
     """``<jsonl>.md``: one table per base method."""
     md = Path(jsonl).with_suffix(".md")
     rows = read_rows(jsonl)
-    md.write_text("\n".join(render(rows, title if i == 0 else f"Against {b}", b) for i, b in enumerate(bases)))
+    md.write_text(
+        "\n".join(render(rows, title if i == 0 else f"Against {b}", b) for i, b in enumerate(bases))
+    )
     return md
 
 
@@ -402,21 +512,37 @@ def suite(args) -> Path:
     draft = load_draft(args.draft, target) if needs_draft else None
     specs = method_specs(args.methods, draft, lambda ref: load_draft(ref, target))
     bw = args.bandwidth or measure_bandwidth()
-    env_extra = {"target": target.name, "draft": draft.name if draft else None, "bandwidth_gb_s": bw,
-                 "roofline_ar_tok_s_per_row": ar_roofline(target.cfg, bw),
-                 "weights": {m.name: m.weights_sha256 for m in (target, draft) if m is not None}}
+    env_extra = {
+        "target": target.name,
+        "draft": draft.name if draft else None,
+        "bandwidth_gb_s": bw,
+        "roofline_ar_tok_s_per_row": ar_roofline(target.cfg, bw),
+        "weights": {m.name: m.weights_sha256 for m in (target, draft) if m is not None},
+    }
     at_drafts = {n: s.draft for n, s in specs.items() if "@" in n}
     if at_drafts:  # the drafts of sd:K@DRAFT methods, by method
-        env_extra["method_drafts"] = {n: {"name": d.name, "weights_sha256": getattr(d, "weights_sha256", None)}
-                                      for n, d in at_drafts.items()}
+        env_extra["method_drafts"] = {
+            n: {"name": d.name, "weights_sha256": getattr(d, "weights_sha256", None)}
+            for n, d in at_drafts.items()
+        }
     import jax
 
-    path = Path(args.out) / (f"protocol_{jax.default_backend()}" + (f"_{args.tag}" if args.tag else "") + ".jsonl")
+    path = Path(args.out) / (
+        f"protocol_{jax.default_backend()}" + (f"_{args.tag}" if args.tag else "") + ".jsonl"
+    )
     for bs in args.batch_sizes:
         n_rec = args.n_prompts * bs
         records = {c: category_prompts(c, n_rec) for c in args.categories}
         units = build_units(records, args.n_prompts, bs)
         runners = {name: EngineRunner(target, spec, chat=args.chat) for name, spec in specs.items()}
-        run_protocol(runners, units, path, repeats=args.repeats, new_tokens=args.new_tokens, order=args.order,
-                     seed=args.seed, env_extra=env_extra)
+        run_protocol(
+            runners,
+            units,
+            path,
+            repeats=args.repeats,
+            new_tokens=args.new_tokens,
+            order=args.order,
+            seed=args.seed,
+            env_extra=env_extra,
+        )
     return write_report(path, f"Benchmark protocol: {target.name}" + (f" / {draft.name}" if draft else ""))

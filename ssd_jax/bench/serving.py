@@ -61,13 +61,20 @@ def parse_method(m: str) -> dict:
     parts = m.split(":")
     if parts == ["ar"]:
         return {"name": "ar", "flags": ["--method", "ar"]}
-    if parts[0] in ("sd", "ssd") and len(parts) in (2, 3) and parts[1] and not (parts[0] == "ssd" and
-                                                                               parts[1] == "ngram"):
+    if (
+        parts[0] in ("sd", "ssd")
+        and len(parts) in (2, 3)
+        and parts[1]
+        and not (parts[0] == "ssd" and parts[1] == "ngram")
+    ):
         k = parts[2] if len(parts) == 3 else "auto"
         if k != "auto" and (not k.isdigit() or int(k) < 1):
             raise UserError(f"method {m!r}: K must be a positive integer or auto")
         label = "ngram" if parts[1] == "ngram" else "draft"
-        return {"name": f"{parts[0]}-{label}-k{k}", "flags": ["--method", parts[0], "--draft", parts[1], "--k", k]}
+        return {
+            "name": f"{parts[0]}-{label}-k{k}",
+            "flags": ["--method", parts[0], "--draft", parts[1], "--k", k],
+        }
     raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K, ssd:DRAFT:K)")
 
 
@@ -91,7 +98,17 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-m", "ssd_jax.serve", "--target", target, "--port", str(self.port), *flags, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ssd_jax.serve",
+            "--target",
+            target,
+            "--port",
+            str(self.port),
+            *flags,
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout: float = 900) -> None:
@@ -137,8 +154,15 @@ class Server:
 async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: float, at: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     start = time.perf_counter()
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     first, tokens, status = None, None, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         status = r.status_code
@@ -152,20 +176,36 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: f
                 tokens = ch["usage"]["completion_tokens"]
     end = time.perf_counter()
     ok = status == 200 and first is not None and tokens
-    return {"status": status, "ok": bool(ok), "arrival": at, "ttft": (first - start) if first else None,
-            "e2e": end - start, "tokens": tokens, "start": start - t0, "end": end - t0,
-            "tpot": (end - first) / (tokens - 1) if ok and tokens > 1 else None}
+    return {
+        "status": status,
+        "ok": bool(ok),
+        "arrival": at,
+        "ttft": (first - start) if first else None,
+        "e2e": end - start,
+        "tokens": tokens,
+        "start": start - t0,
+        "end": end - t0,
+        "tpot": (end - first) / (tokens - 1) if ok and tokens > 1 else None,
+    }
 
 
-async def run_load(url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int) -> list[dict]:
+async def run_load(
+    url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int
+) -> list[dict]:
     """Send ``prompts[i]`` at ``arrivals[i]`` (s from now), streamed; one record per request."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(arrivals) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         t0 = time.perf_counter()
-        return list(await asyncio.gather(*(_one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at)
-                                           for i, at in enumerate(arrivals))))
+        return list(
+            await asyncio.gather(
+                *(
+                    _one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at)
+                    for i, at in enumerate(arrivals)
+                )
+            )
+        )
 
 
 def cell_summary(reqs: list[dict], spans: list[tuple[float, int]]) -> dict:
@@ -183,7 +223,10 @@ def cell_summary(reqs: list[dict], spans: list[tuple[float, int]]) -> dict:
 def _ratio(before: dict, after: dict, num: str, den: str) -> float | None:
     """The ratio of two counters' increments between two ``/metrics`` reads (None without any)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    n, m = d.get(f"ssd_jax:spec_decode_num_{num}_total", 0.0), d.get(f"ssd_jax:spec_decode_num_{den}_total", 0.0)
+    n, m = (
+        d.get(f"ssd_jax:spec_decode_num_{num}_total", 0.0),
+        d.get(f"ssd_jax:spec_decode_num_{den}_total", 0.0),
+    )
     return n / m if m else None
 
 
@@ -207,16 +250,22 @@ def render(rows: list[dict], env: dict) -> str:
                 acc.setdefault(key, []).append(r["acceptance"])
             if r.get("cache_hit_rate") is not None:
                 hits.setdefault(key, []).append(r["cache_hit_rate"])
-    lines = [f"# Serving benchmark: {env.get('target')}", "",
-             f"{env.get('backend')} ({env.get('cores')} cores), jax {env.get('jax')}, commit {env.get('commit')}; "
-             f"{env.get('requests')} requests per (method, rate, repeat), Poisson arrivals, chat endpoint, streamed, "
-             f"greedy, {env.get('max_tokens')} tokens per request (ignore_eos), {env.get('max_batch')} slots; "
-             f"methods interleaved per (repeat, rate). Load average (1 min) at start: {env.get('loadavg')}.", "",
-             "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]. "
-             "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
-             "requests of the cell.", "",
-             "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
-             "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | cache hits |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Serving benchmark: {env.get('target')}",
+        "",
+        f"{env.get('backend')} ({env.get('cores')} cores), jax {env.get('jax')}, commit {env.get('commit')}; "
+        f"{env.get('requests')} requests per (method, rate, repeat), Poisson arrivals, chat endpoint, streamed, "
+        f"greedy, {env.get('max_tokens')} tokens per request (ignore_eos), {env.get('max_batch')} slots; "
+        f"methods interleaved per (repeat, rate). Load average (1 min) at start: {env.get('loadavg')}.",
+        "",
+        "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]. "
+        "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
+        "requests of the cell.",
+        "",
+        "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
+        "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | cache hits |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rates = sorted({k[1] for k in cells})
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for rate in rates:
@@ -234,7 +283,8 @@ def render(rows: list[dict], env: dict) -> str:
                 f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
                 f"| {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
                 f"{1e3 * s['tpot']['p99']:.0f} | {s['e2e']['p50']:.2f} / {s['e2e']['p99']:.2f} "
-                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} | {'-' if not h else f'{sum(h) / len(h):.2f}'} |")
+                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} | {'-' if not h else f'{sum(h) / len(h):.2f}'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -242,21 +292,42 @@ def _env(a) -> dict:
     import jax
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
-    return {"kind": "env", "target": a.target, "methods": a.methods, "rates": a.rates, "requests": a.requests,
-            "repeats": a.repeats, "max_tokens": a.max_tokens, "max_batch": a.max_batch, "server_args": a.server_args,
-            "categories": a.categories, "jax": jax.__version__, "backend": jax.default_backend(),
-            "cores": os.cpu_count(), "commit": commit, "loadavg": os.getloadavg()[0]}
+    return {
+        "kind": "env",
+        "target": a.target,
+        "methods": a.methods,
+        "rates": a.rates,
+        "requests": a.requests,
+        "repeats": a.repeats,
+        "max_tokens": a.max_tokens,
+        "max_batch": a.max_batch,
+        "server_args": a.server_args,
+        "categories": a.categories,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "cores": os.cpu_count(),
+        "commit": commit,
+        "loadavg": os.getloadavg()[0],
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ssd_jax.bench.serving", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--methods", nargs="+", default=["ar", "sd:ngram:3"],
-                   help="ar | sd:ngram[:K] | sd:DRAFT[:K] | ssd:DRAFT[:K] (K: an integer or auto, the default)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ar", "sd:ngram:3"],
+        help="ar | sd:ngram[:K] | sd:DRAFT[:K] | ssd:DRAFT[:K] (K: an integer or auto, the default)",
+    )
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
     p.add_argument("--requests", type=int, default=16, help="requests per (method, rate, repeat)")
     p.add_argument("--repeats", type=int, default=2)
@@ -266,8 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="+", default=["code", "chat", "math", "copy"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=4, help="requests per server before measuring")
-    p.add_argument("--server-args", default="", help="more flags for every server, one string (e.g. "
-                   "'--context-buckets 2 --prefill-chunk 32')")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for every server, one string (e.g. '--context-buckets 2 --prefill-chunk 32')",
+    )
     p.add_argument("--out", required=True, help="results prefix: writes <out>.jsonl and <out>.md")
     p.add_argument("--report-only", action="store_true")
     return p
@@ -294,12 +368,21 @@ def run(argv=None) -> int:
     done = {(r["method"], r["rate"], r["repeat"]) for r in rows if r.get("kind") == "load"}
     env = _env(a)
     append_row(jsonl, env)
-    extra = ["--max-batch", str(a.max_batch), "--max-model-len", str(a.max_model_len),
-             "--max-waiting", str(4 * a.requests), *shlex.split(a.server_args)]
+    extra = [
+        "--max-batch",
+        str(a.max_batch),
+        "--max-model-len",
+        str(a.max_model_len),
+        "--max-waiting",
+        str(4 * a.requests),
+        *shlex.split(a.server_args),
+    ]
     servers = {}
     try:
         for m in methods:
-            servers[m["name"]] = Server(a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log")
+            servers[m["name"]] = Server(
+                a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log"
+            )
         for name, s in servers.items():
             s.wait_ready()
             asyncio.run(run_load(s.url, a.target, prompts[: a.warmup], [0.0] * a.warmup, a.max_tokens))
@@ -308,7 +391,7 @@ def run(argv=None) -> int:
         for rep in range(a.repeats):
             for ri, rate in enumerate(a.rates):
                 arrivals = poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
-                order = names[(rep + ri) % len(names):] + names[: (rep + ri) % len(names)]
+                order = names[(rep + ri) % len(names) :] + names[: (rep + ri) % len(names)]
                 for name in order:
                     if (name, rate, rep) in done:
                         continue
@@ -317,16 +400,32 @@ def run(argv=None) -> int:
                     reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
                     after = s.counters()
                     for i, r in enumerate(reqs):
-                        append_row(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
+                        append_row(
+                            jsonl,
+                            {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r},
+                        )
                     ok = [r for r in reqs if r["ok"]]
                     span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
                     tokens = sum(r["tokens"] for r in ok)
-                    append_row(jsonl, {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span,
-                                    "tokens": tokens, "failed": len(reqs) - len(ok), "loadavg": load,
-                                    "acceptance": _spec_acceptance(before, after),
-                                    "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups")})
-                    print(f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
-                          file=sys.stderr)
+                    append_row(
+                        jsonl,
+                        {
+                            "kind": "load",
+                            "method": name,
+                            "rate": rate,
+                            "repeat": rep,
+                            "span": span,
+                            "tokens": tokens,
+                            "failed": len(reqs) - len(ok),
+                            "loadavg": load,
+                            "acceptance": _spec_acceptance(before, after),
+                            "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups"),
+                        },
+                    )
+                    print(
+                        f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
+                        file=sys.stderr,
+                    )
     finally:
         for s in servers.values():
             s.stop()

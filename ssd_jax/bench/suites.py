@@ -38,7 +38,10 @@ def measure_bandwidth(gbytes: float = 1.0, repeats: int = 7) -> float:
     n = int(gbytes * 1e9 / 4) // 1024 * 1024
     x = jnp.ones((1024, n // 1024), jnp.float32)
     v = jnp.ones((1, n // 1024), jnp.float32)
-    kernels = [(jax.jit(lambda a: jnp.sum(a)), (x,)), (jax.jit(lambda a, b: jnp.einsum("bi,oi->bo", b, a)), (x, v))]
+    kernels = [
+        (jax.jit(lambda a: jnp.sum(a)), (x,)),
+        (jax.jit(lambda a, b: jnp.einsum("bi,oi->bo", b, a)), (x, v)),
+    ]
     best = float("inf")
     for f, a in kernels:
         f(*a).block_until_ready()
@@ -88,8 +91,17 @@ def suite_ar(args) -> dict:
     bw = measure_bandwidth()
     rows = []
     for name in args.models:
-        cmd = [sys.executable, "-m", "ssd_jax.bench", "--child-ar", name, "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats)] + (["--dtype", args.dtype] if args.dtype else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "ssd_jax.bench",
+            "--child-ar",
+            name,
+            "--new-tokens",
+            str(args.new_tokens),
+            "--repeats",
+            str(args.repeats),
+        ] + (["--dtype", args.dtype] if args.dtype else [])
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             print(f"{name}: failed: {r.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -136,7 +148,9 @@ def render_ar(res: dict) -> str:
 def _run(model, prompts, sp, spec):
     import ssd_jax
 
-    ssd_jax.generate(model, prompts, ssd_jax.SamplingParams(**{**sp.__dict__, "max_new_tokens": 4}), spec)  # compile
+    ssd_jax.generate(
+        model, prompts, ssd_jax.SamplingParams(**{**sp.__dict__, "max_new_tokens": 4}), spec
+    )  # compile
     return ssd_jax.generate(model, prompts, sp, spec)
 
 
@@ -168,38 +182,72 @@ def suite_sd(args) -> dict:
                     continue
                 res = _run(target, [prompt], sp, spec)
                 m = res.metrics
-                row = {"suite": "sd", "category": cat, "prompt_index": i, "method": name, "batch_size": 1,
-                       "loadavg": os.getloadavg(), **{k: v for k, v in m.items()}}
+                row = {
+                    "suite": "sd",
+                    "category": cat,
+                    "prompt_index": i,
+                    "method": name,
+                    "batch_size": 1,
+                    "loadavg": os.getloadavg(),
+                    **{k: v for k, v in m.items()},
+                }
                 rows.append(row)
-                print(f"{cat}[{i}] {name}: {m['tokens_per_s']:.2f} tok/s"
-                      + (f", acc {m['acceptance_rate']:.2f}, tau {m['mean_acceptance_length']:.2f}" if "acceptance_rate" in m else ""),
-                      file=sys.stderr)
+                print(
+                    f"{cat}[{i}] {name}: {m['tokens_per_s']:.2f} tok/s"
+                    + (
+                        f", acc {m['acceptance_rate']:.2f}, tau {m['mean_acceptance_length']:.2f}"
+                        if "acceptance_rate" in m
+                        else ""
+                    ),
+                    file=sys.stderr,
+                )
     # batch sizes: code prompts, AR vs the middle K
     k_mid = args.ks[len(args.ks) // 2]
     code = [p["prompt"] for p in load_prompts("code", n=max(args.batch_sizes))]
     for bs in args.batch_sizes:
-        for name, spec in [("ar", SpecConfig()), (f"sd-k{k_mid}", SpecConfig(method="sd", draft=draft, k=k_mid))]:
+        for name, spec in [
+            ("ar", SpecConfig()),
+            (f"sd-k{k_mid}", SpecConfig(method="sd", draft=draft, k=k_mid)),
+        ]:
             res = _run(target, code[:bs], sp, spec)
             m = res.metrics
-            rows.append({"suite": "sd-batch", "category": "code", "method": name, "batch_size": bs,
-                         "loadavg": os.getloadavg(), **m})
+            rows.append(
+                {
+                    "suite": "sd-batch",
+                    "category": "code",
+                    "method": name,
+                    "batch_size": bs,
+                    "loadavg": os.getloadavg(),
+                    **m,
+                }
+            )
             print(f"batch {bs} {name}: {m['tokens_per_s']:.2f} tok/s", file=sys.stderr)
-    return {"suite": "sd", "env": env, "target": target.name, "draft": draft.name,
-            "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256}, "rows": rows}
+    return {
+        "suite": "sd",
+        "env": env,
+        "target": target.name,
+        "draft": draft.name,
+        "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256},
+        "rows": rows,
+    }
 
 
 def render_sd(res: dict) -> str:
     import collections
 
     e = res["env"]
-    out = [f"# SD vs AR ({res['target']} target, {res['draft']} draft; {e['backend']}, jax {e['jax']}, "
-           f"commit {e['git_commit']})", "",
-           "Batch 1, greedy, side by side in one process (every method per prompt back to back). "
-           "tok/s is summed tokens over summed wall time per category (prefill included); decode tok/s excludes "
-           "the prefill and first token (as the SSD paper reports). Ratios are relative to AR in the same category.", "",
-           "| category | method | prompts | tok/s | ratio | decode tok/s | decode ratio | acceptance "
-           "| tokens/verify step | draft s | verify s | sample s | overhead s | load avg |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"# SD vs AR ({res['target']} target, {res['draft']} draft; {e['backend']}, jax {e['jax']}, "
+        f"commit {e['git_commit']})",
+        "",
+        "Batch 1, greedy, side by side in one process (every method per prompt back to back). "
+        "tok/s is summed tokens over summed wall time per category (prefill included); decode tok/s excludes "
+        "the prefill and first token (as the SSD paper reports). Ratios are relative to AR in the same category.",
+        "",
+        "| category | method | prompts | tok/s | ratio | decode tok/s | decode ratio | acceptance "
+        "| tokens/verify step | draft s | verify s | sample s | overhead s | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     agg = collections.defaultdict(lambda: collections.defaultdict(float))
     for r in res["rows"]:
         if r["suite"] != "sd":
@@ -224,12 +272,18 @@ def render_sd(res: dict) -> str:
         dratio = dtps / (base["dtok"] / base["dwall"]) if base["dwall"] else float("nan")
         acc = f"{a['acc_num'] / a['acc_den']:.2f}" if a["acc_den"] else "-"
         tau = f"{a['dtok'] / a['steps']:.2f}" if a["steps"] else "-"
-        out.append(f"| {cat} | {meth} | {int(a['n'])} | {tps:.2f} | {ratio:.2f}x | {dtps:.2f} | {dratio:.2f}x | {acc} "
-                   f"| {tau} | {a['draft_s']:.1f} | {a['verify_s']:.1f} | {a['sample_s']:.2f} | {a['overhead_s']:.2f} "
-                   f"| {a['load'] / a['n']:.2f} |")
-    out += ["", "## Batch size (code prompts)", "", "| batch | method | tok/s (throughput, prefill incl.) "
-            "| per-sequence tok/s | ratio vs AR |",
-            "|---|---|---|---|---|"]
+        out.append(
+            f"| {cat} | {meth} | {int(a['n'])} | {tps:.2f} | {ratio:.2f}x | {dtps:.2f} | {dratio:.2f}x | {acc} "
+            f"| {tau} | {a['draft_s']:.1f} | {a['verify_s']:.1f} | {a['sample_s']:.2f} | {a['overhead_s']:.2f} "
+            f"| {a['load'] / a['n']:.2f} |"
+        )
+    out += [
+        "",
+        "## Batch size (code prompts)",
+        "",
+        "| batch | method | tok/s (throughput, prefill incl.) | per-sequence tok/s | ratio vs AR |",
+        "|---|---|---|---|---|",
+    ]
     base = {}
     for r in res["rows"]:
         if r["suite"] == "sd-batch":
@@ -237,9 +291,14 @@ def render_sd(res: dict) -> str:
             if r["method"] == "ar":
                 base[r["batch_size"]] = tps
             ratio = tps / base.get(r["batch_size"], float("nan"))
-            out.append(f"| {r['batch_size']} | {r['method']} | {tps:.2f} | {tps / r['batch_size']:.2f} | {ratio:.2f}x |")
-    out += ["", "tokens/verify step counts the bonus token (mean acceptance length); acceptance = accepted / drafted. "
-            "tokens per verify step for ar is not applicable."]
+            out.append(
+                f"| {r['batch_size']} | {r['method']} | {tps:.2f} | {tps / r['batch_size']:.2f} | {ratio:.2f}x |"
+            )
+    out += [
+        "",
+        "tokens/verify step counts the bonus token (mean acceptance length); acceptance = accepted / drafted. "
+        "tokens per verify step for ar is not applicable.",
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -248,9 +307,18 @@ def render_sd(res: dict) -> str:
 
 def _ssd_row(suite, cat, i, name, res, **extra) -> dict:
     m = res.metrics
-    keep = {k: v for k, v in m.items() if not isinstance(v, dict) or k in ("fanout", "fallback_calls", "devices")}
-    return {"suite": suite, "category": cat, "prompt_index": i, "method": name, "loadavg": os.getloadavg(), **keep,
-            **extra}
+    keep = {
+        k: v for k, v in m.items() if not isinstance(v, dict) or k in ("fanout", "fallback_calls", "devices")
+    }
+    return {
+        "suite": suite,
+        "category": cat,
+        "prompt_index": i,
+        "method": name,
+        "loadavg": os.getloadavg(),
+        **keep,
+        **extra,
+    }
 
 
 def _say(row) -> None:
@@ -259,10 +327,15 @@ def _say(row) -> None:
     if "acceptance_rate" in m:
         extra += f", acc {m['acceptance_rate']:.2f}, tau {m['mean_acceptance_length']:.2f}"
     if "cache_hit_rate" in m:
-        extra += (f", hit {m['cache_hit_rate']:.2f}, tau hit/miss {m['tau_hit']:.2f}/{m['tau_miss']:.2f}, "
-                  f"overlap {m['overlap_fraction']:.2f}")
-    print(f"{m['suite']} {m['category']}[{m.get('prompt_index', '')}] {m['method']} b={m['batch_size']}: "
-          f"{m['tokens_per_s']:.2f} tok/s{extra}", file=sys.stderr)
+        extra += (
+            f", hit {m['cache_hit_rate']:.2f}, tau hit/miss {m['tau_hit']:.2f}/{m['tau_miss']:.2f}, "
+            f"overlap {m['overlap_fraction']:.2f}"
+        )
+    print(
+        f"{m['suite']} {m['category']}[{m.get('prompt_index', '')}] {m['method']} b={m['batch_size']}: "
+        f"{m['tokens_per_s']:.2f} tok/s{extra}",
+        file=sys.stderr,
+    )
 
 
 def suite_ssd(args) -> dict:
@@ -292,8 +365,11 @@ def suite_ssd(args) -> dict:
         _say(row)
 
     if "main" in args.parts:
-        methods = [("ar", SpecConfig()), (f"sd-k{K}", SpecConfig(method="sd", draft=draft, k=K)),
-                   (f"ssd-k{K}", ssd(backup="neural"))]
+        methods = [
+            ("ar", SpecConfig()),
+            (f"sd-k{K}", SpecConfig(method="sd", draft=draft, k=K)),
+            (f"ssd-k{K}", ssd(backup="neural")),
+        ]
         for cat in args.categories:
             for i, p in enumerate(load_prompts(cat, n=args.n_prompts)):
                 for name, spec in methods:
@@ -303,35 +379,54 @@ def suite_ssd(args) -> dict:
         for temp in (0.0, 0.7, 1.0):
             s2 = dataclasses.replace(sp, temperature=temp, seed=1)
             for i, p in enumerate(code[: args.n_prompts]):
-                for name, spec in [("sd", SpecConfig(method="sd", draft=draft, k=K)),
-                                   ("ssd-geometric", ssd(backup="neural")),
-                                   ("ssd-uniform", ssd(backup="neural", fan_out=2))]:
+                for name, spec in [
+                    ("sd", SpecConfig(method="sd", draft=draft, k=K)),
+                    ("ssd-geometric", ssd(backup="neural")),
+                    ("ssd-uniform", ssd(backup="neural", fan_out=2)),
+                ]:
                     run("fanout", "code", i, name, [p], s2, spec)
     if "saguaro" in args.parts:
         s2 = dataclasses.replace(sp, temperature=1.0, seed=2)
         for c in (1.0, 0.6, 0.3, 0.0):
             for i, p in enumerate(code[: args.n_prompts]):
-                run("saguaro", "code", i, f"ssd-c{c}", [p], s2, ssd(backup="neural", saguaro_c=c), saguaro_c=c)
+                run(
+                    "saguaro", "code", i, f"ssd-c{c}", [p], s2, ssd(backup="neural", saguaro_c=c), saguaro_c=c
+                )
     if "batch" in args.parts:
         for bs in args.batch_sizes:
-            for name, spec in [("ar", SpecConfig()), ("sd", SpecConfig(method="sd", draft=draft, k=K)),
-                               ("ssd-neural", ssd(backup="neural")), ("ssd-ngram", ssd(backup="ngram")),
-                               ("ssd-auto", ssd(backup="auto"))]:
+            for name, spec in [
+                ("ar", SpecConfig()),
+                ("sd", SpecConfig(method="sd", draft=draft, k=K)),
+                ("ssd-neural", ssd(backup="neural")),
+                ("ssd-ngram", ssd(backup="ngram")),
+                ("ssd-auto", ssd(backup="auto")),
+            ]:
                 run("batch", "code", 0, name, code[:bs], sp, spec)
-    return {"suite": "ssd", "env": env, "target": target.name, "draft": draft.name, "k": K,
-            "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256}, "rows": rows}
+    return {
+        "suite": "ssd",
+        "env": env,
+        "target": target.name,
+        "draft": draft.name,
+        "k": K,
+        "weights": {target.name: target.weights_sha256, draft.name: draft.weights_sha256},
+        "rows": rows,
+    }
 
 
 def render_ssd(res: dict) -> str:
     import collections
 
     e = res["env"]
-    out = [f"# AR / SD / SSD ({res['target']} target, {res['draft']} draft, K={res['k']}; {e['backend']}, "
-           f"jax {e['jax']}, commit {e['git_commit']}, {e['device_count']} device(s), {e['cpu_count']} cores)", "",
-           "Side by side in one process (every method per prompt back to back). Decode tok/s excludes prefill and "
-           "the first token (as the SSD paper reports); ratios are against AR (or SD) in the same group. "
-           "hit = cache hit rate over row-rounds; tau = tokens per round on hits / after misses; overlap = share "
-           "of the cache build that ran while the target verified (from the device-lane trace).", ""]
+    out = [
+        f"# AR / SD / SSD ({res['target']} target, {res['draft']} draft, K={res['k']}; {e['backend']}, "
+        f"jax {e['jax']}, commit {e['git_commit']}, {e['device_count']} device(s), {e['cpu_count']} cores)",
+        "",
+        "Side by side in one process (every method per prompt back to back). Decode tok/s excludes prefill and "
+        "the first token (as the SSD paper reports); ratios are against AR (or SD) in the same group. "
+        "hit = cache hit rate over row-rounds; tau = tokens per round on hits / after misses; overlap = share "
+        "of the cache build that ran while the target verified (from the device-lane trace).",
+        "",
+    ]
     groups = collections.defaultdict(list)
     for r in res["rows"]:
         groups[(r["suite"], r["category"], r["temperature"], r["batch_size"], r["method"])].append(r)
@@ -339,9 +434,23 @@ def render_ssd(res: dict) -> str:
     def agg(rs):
         dtok = sum(r["generated_tokens"] - r["batch_size"] for r in rs)
         dwall = sum(r["wall_s"] - r["ttft_s"] for r in rs)
-        f = {"n": len(rs), "dtps": dtok / dwall if dwall > 0 else 0.0, "load": sum(r["loadavg"][0] for r in rs) / len(rs)}
-        for k in ("acceptance_rate", "mean_acceptance_length", "cache_hit_rate", "tau_hit", "tau_miss",
-                  "overlap_fraction", "draft_s", "verify_s", "draft_exposed_s", "overhead_s"):
+        f = {
+            "n": len(rs),
+            "dtps": dtok / dwall if dwall > 0 else 0.0,
+            "load": sum(r["loadavg"][0] for r in rs) / len(rs),
+        }
+        for k in (
+            "acceptance_rate",
+            "mean_acceptance_length",
+            "cache_hit_rate",
+            "tau_hit",
+            "tau_miss",
+            "overlap_fraction",
+            "draft_s",
+            "verify_s",
+            "draft_exposed_s",
+            "overhead_s",
+        ):
             vals = [r[k] for r in rs if r.get(k) is not None]
             f[k] = sum(vals) / len(vals) if vals else None
         return f
@@ -353,9 +462,13 @@ def render_ssd(res: dict) -> str:
         keys = [k for k in groups if k[0] == part]
         if not keys:
             continue
-        out += [f"## {part}", "", "| category | T | batch | method | prompts | decode tok/s | vs AR | vs SD | acceptance "
-                "| tokens/round | hit | tau hit | tau miss | overlap | draft s | exposed draft s | verify s | load avg |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"## {part}",
+            "",
+            "| category | T | batch | method | prompts | decode tok/s | vs AR | vs SD | acceptance "
+            "| tokens/round | hit | tau hit | tau miss | overlap | draft s | exposed draft s | verify s | load avg |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for k in sorted(keys, key=lambda k: (k[1], k[2], k[3])):
             a = agg(groups[k])
             base_ar = groups.get(k[:4] + ("ar",))
@@ -363,11 +476,13 @@ def render_ssd(res: dict) -> str:
             base_sd = groups.get(k[:4] + (sd_name,)) if sd_name else None
             vs_ar = a["dtps"] / agg(base_ar)["dtps"] if base_ar else None
             vs_sd = a["dtps"] / agg(base_sd)["dtps"] if base_sd else None
-            out.append(f"| {k[1]} | {k[2]} | {k[3]} | {k[4]} | {a['n']} | {a['dtps']:.2f} | {fmt(vs_ar)} "
-                       f"| {fmt(vs_sd)} | {fmt(a['acceptance_rate'])} | {fmt(a['mean_acceptance_length'])} "
-                       f"| {fmt(a['cache_hit_rate'])} | {fmt(a['tau_hit'])} | {fmt(a['tau_miss'])} "
-                       f"| {fmt(a['overlap_fraction'])} | {fmt(a['draft_s'], 1)} | {fmt(a['draft_exposed_s'], 1)} "
-                       f"| {fmt(a['verify_s'], 1)} | {a['load']:.2f} |")
+            out.append(
+                f"| {k[1]} | {k[2]} | {k[3]} | {k[4]} | {a['n']} | {a['dtps']:.2f} | {fmt(vs_ar)} "
+                f"| {fmt(vs_sd)} | {fmt(a['acceptance_rate'])} | {fmt(a['mean_acceptance_length'])} "
+                f"| {fmt(a['cache_hit_rate'])} | {fmt(a['tau_hit'])} | {fmt(a['tau_miss'])} "
+                f"| {fmt(a['overlap_fraction'])} | {fmt(a['draft_s'], 1)} | {fmt(a['draft_exposed_s'], 1)} "
+                f"| {fmt(a['verify_s'], 1)} | {a['load']:.2f} |"
+            )
         out.append("")
     return "\n".join(out) + "\n"
 

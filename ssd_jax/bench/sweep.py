@@ -42,8 +42,15 @@ USES = {
     "ngram": ("method", "k", "batch_size", "temperature", "category"),
     "ssd": AXES,
 }
-DEFAULTS = {"k": 4, "fan_out": "geometric", "saguaro_c": 1.0, "backup": "auto", "batch_size": 1, "temperature": 0.0,
-            "category": "code"}
+DEFAULTS = {
+    "k": 4,
+    "fan_out": "geometric",
+    "saguaro_c": 1.0,
+    "backup": "auto",
+    "batch_size": 1,
+    "temperature": 0.0,
+    "category": "code",
+}
 
 
 def read_config(path: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
@@ -137,8 +144,9 @@ def _spec(c: dict[str, Any], draft):
     if m == "sd":
         return SpecConfig(method="sd", draft=draft, k=c["k"])
     fan = c["fan_out"] if c["fan_out"] == "geometric" else int(c["fan_out"])
-    return SpecConfig(method="ssd", draft=draft, k=c["k"], fan_out=fan, saguaro_c=float(c["saguaro_c"]),
-                      backup=c["backup"])
+    return SpecConfig(
+        method="ssd", draft=draft, k=c["k"], fan_out=fan, saguaro_c=float(c["saguaro_c"]), backup=c["backup"]
+    )
 
 
 def category_prompts(category: str, n: int) -> list[dict]:
@@ -157,9 +165,15 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
 
     n_prompts = int(cfg.get("n_prompts", 2))
     bs = int(c["batch_size"])
-    prompts = [p["prompt"] for p in category_prompts(c["category"], max(n_prompts, bs) * bs)][: max(n_prompts // bs, 1) * bs]
-    sp = SamplingParams(temperature=float(c["temperature"]), seed=int(cfg.get("seed", 0)),
-                        max_new_tokens=int(cfg.get("new_tokens", 64)), ignore_eos=True)
+    prompts = [p["prompt"] for p in category_prompts(c["category"], max(n_prompts, bs) * bs)][
+        : max(n_prompts // bs, 1) * bs
+    ]
+    sp = SamplingParams(
+        temperature=float(c["temperature"]),
+        seed=int(cfg.get("seed", 0)),
+        max_new_tokens=int(cfg.get("new_tokens", 64)),
+        ignore_eos=True,
+    )
     spec = _spec(c, draft)
     generate(target, prompts[:bs], dataclasses.replace(sp, max_new_tokens=4), spec)  # compile, not timed
     runs = [generate(target, prompts[i : i + bs], sp, spec).metrics for i in range(0, len(prompts), bs)]
@@ -180,8 +194,14 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
         "tpot_s": sum(m["tpot_s"] for m in runs) / len(runs),
         "compile_s": runs[0]["compile_s"],
     }
-    mean_keys = ("acceptance_rate", "mean_acceptance_length", "cache_hit_rate", "tau_hit", "tau_miss",
-                 "overlap_fraction")
+    mean_keys = (
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "cache_hit_rate",
+        "tau_hit",
+        "tau_miss",
+        "overlap_fraction",
+    )
     sum_keys = ("draft_s", "verify_s", "sample_s", "overhead_s", "draft_exposed_s", "prefill_s")
     # a metric the engine did not measure is None (e.g. SD stage times without profile_stages): left out
     for k in mean_keys:
@@ -192,7 +212,9 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
             row[k] = sum(m[k] for m in runs)
     if "per_position_acceptance" in runs[0]:
         K = len(runs[0]["per_position_acceptance"])
-        row["per_position_acceptance"] = [sum(m["per_position_acceptance"][j] for m in runs) / len(runs) for j in range(K)]
+        row["per_position_acceptance"] = [
+            sum(m["per_position_acceptance"][j] for m in runs) / len(runs) for j in range(K)
+        ]
     row["env"] = {**env, "loadavg": os.getloadavg()}
     return row
 
@@ -214,7 +236,10 @@ def _load_pair(cfg: dict[str, Any]):
     draft_name = _resolve_draft(cfg.get("draft"), cfg["target"])
     draft = load_draft(draft_name, target) if draft_name else None
     env = environment()
-    env["models"] = {target.name: target.weights_sha256, **({draft.name: draft.weights_sha256} if draft else {})}
+    env["models"] = {
+        target.name: target.weights_sha256,
+        **({draft.name: draft.weights_sha256} if draft else {}),
+    }
     return target, draft, env
 
 
@@ -230,8 +255,10 @@ def run_sweep(config: str | os.PathLike | dict[str, Any], out_dir: str = "experi
     path = Path(out_dir) / f"{cfg['name']}.jsonl"
     done = {r.get("key") for r in read_results(path)}
     todo = [c for c in configs if config_key(c) not in done]
-    print(f"sweep {cfg['name']}: {len(configs)} configurations, {len(configs) - len(todo)} already in {path}",
-          file=sys.stderr)
+    print(
+        f"sweep {cfg['name']}: {len(configs)} configurations, {len(configs) - len(todo)} already in {path}",
+        file=sys.stderr,
+    )
     if not todo:
         return path
     target, draft, env = _load_pair(cfg)
@@ -259,8 +286,11 @@ def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
     os.makedirs(out_dir, exist_ok=True)
     path = Path(out_dir) / f"{cfg['name']}.jsonl"
     k, n = int(cfg.get("k", 4)), int(cfg.get("n_prompts", 4))
-    todo = [(cat, i, p) for cat in cfg.get("categories", ["code", "chat", "math", "copy"])
-            for i, p in enumerate(category_prompts(cat, n)[:n])]
+    todo = [
+        (cat, i, p)
+        for cat in cfg.get("categories", ["code", "chat", "math", "copy"])
+        for i, p in enumerate(category_prompts(cat, n)[:n])
+    ]
     done = {r.get("key") for r in read_results(path)}
     todo = [t for t in todo if f"{t[0]}/{t[1]}" not in done]
     print(f"oracle {cfg['name']}: {len(todo)} prompts to run, results in {path}", file=sys.stderr)
@@ -276,8 +306,18 @@ def run_oracle(cfg: dict[str, Any], out_dir: str) -> Path:
         tokens = list(prompt_ids) + list(out_ids)
         matches = oracle.teacher_forced_matches(draft, tokens, len(prompt_ids))
         res = oracle.analyze(prompt_ids, out_ids, matches, k)
-        append_row(path, {"kind": "oracle", "key": f"{cat}/{i}", "category": cat, "prompt_id": p.get("id"), "k": k, **res,
-                          "env": {**env, "loadavg": os.getloadavg()}})
+        append_row(
+            path,
+            {
+                "kind": "oracle",
+                "key": f"{cat}/{i}",
+                "category": cat,
+                "prompt_id": p.get("id"),
+                "k": k,
+                **res,
+                "env": {**env, "loadavg": os.getloadavg()},
+            },
+        )
     return path
 
 
@@ -286,41 +326,106 @@ _SMOLLM = {"target": "smollm2-135m-instruct", "draft": "default"}
 SUITES: dict[str, dict[str, Any]] = {
     "smoke": {
         "about": "AR / SD / n-gram / SSD on SmolLM2-135M with its shipped draft, two categories, 32 tokens, "
-                 "and the oracle bounds on two prompts per category (under 10 minutes on a 2-core CPU).",
+        "and the oracle bounds on two prompts per category (under 10 minutes on a 2-core CPU).",
         "sweeps": [
-            {"name": "smoke_methods", **_SMOLLM, "new_tokens": 32, "n_prompts": 1,
-             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["auto"],
-                      "category": ["code", "chat"]}},
-            {"name": "smoke_oracle", "kind": "oracle", **_SMOLLM, "k": 4, "new_tokens": 48, "n_prompts": 2,
-             "categories": ["code", "copy"]},
+            {
+                "name": "smoke_methods",
+                **_SMOLLM,
+                "new_tokens": 32,
+                "n_prompts": 1,
+                "grid": {
+                    "method": ["ar", "sd", "ngram", "ssd"],
+                    "k": [4],
+                    "backup": ["auto"],
+                    "category": ["code", "chat"],
+                },
+            },
+            {
+                "name": "smoke_oracle",
+                "kind": "oracle",
+                **_SMOLLM,
+                "k": 4,
+                "new_tokens": 48,
+                "n_prompts": 2,
+                "categories": ["code", "copy"],
+            },
         ],
     },
     "paper": {
         "about": "The papers' tables at small scale on SmolLM2-135M and its shipped draft: the main table "
-                 "(1), temperature x fan-out (2), batch size x backup with the time breakdown (3, 5), the "
-                 "Saguaro C sweep (4), and the oracle bounds with n-gram vs draft by BLEU-4 bin (6, 7).",
+        "(1), temperature x fan-out (2), batch size x backup with the time breakdown (3, 5), the "
+        "Saguaro C sweep (4), and the oracle bounds with n-gram vs draft by BLEU-4 bin (6, 7).",
         "sweeps": [
-            {"name": "paper_main", **_SMOLLM, "new_tokens": 64, "n_prompts": 4,
-             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["auto"],
-                      "category": ["code", "chat", "math"]}},
-            {"name": "paper_temperature", **_SMOLLM, "new_tokens": 64, "n_prompts": 2,
-             "grid": {"method": ["ar", "sd", "ssd"], "k": [4], "fan_out": [2, "geometric"], "backup": ["neural"],
-                      "temperature": [0.0, 0.3, 0.7, 1.0], "category": ["chat"]}},
-            {"name": "paper_batch", **_SMOLLM, "new_tokens": 48, "n_prompts": 4,
-             "grid": {"method": ["ar", "sd", "ngram", "ssd"], "k": [4], "backup": ["neural", "ngram", "auto"],
-                      "batch_size": [1, 4, 16], "category": ["code"]}},
-            {"name": "paper_saguaro", **_SMOLLM, "new_tokens": 64, "n_prompts": 2,
-             "grid": {"method": ["ssd"], "k": [4], "saguaro_c": [0.0, 0.25, 0.5, 0.75, 1.0], "backup": ["neural"],
-                      "temperature": [1.0], "category": ["chat"]}},
-            {"name": "paper_oracle", "kind": "oracle", **_SMOLLM, "k": 4, "new_tokens": 96, "n_prompts": 8,
-             "categories": ["code", "chat", "math", "copy"]},
+            {
+                "name": "paper_main",
+                **_SMOLLM,
+                "new_tokens": 64,
+                "n_prompts": 4,
+                "grid": {
+                    "method": ["ar", "sd", "ngram", "ssd"],
+                    "k": [4],
+                    "backup": ["auto"],
+                    "category": ["code", "chat", "math"],
+                },
+            },
+            {
+                "name": "paper_temperature",
+                **_SMOLLM,
+                "new_tokens": 64,
+                "n_prompts": 2,
+                "grid": {
+                    "method": ["ar", "sd", "ssd"],
+                    "k": [4],
+                    "fan_out": [2, "geometric"],
+                    "backup": ["neural"],
+                    "temperature": [0.0, 0.3, 0.7, 1.0],
+                    "category": ["chat"],
+                },
+            },
+            {
+                "name": "paper_batch",
+                **_SMOLLM,
+                "new_tokens": 48,
+                "n_prompts": 4,
+                "grid": {
+                    "method": ["ar", "sd", "ngram", "ssd"],
+                    "k": [4],
+                    "backup": ["neural", "ngram", "auto"],
+                    "batch_size": [1, 4, 16],
+                    "category": ["code"],
+                },
+            },
+            {
+                "name": "paper_saguaro",
+                **_SMOLLM,
+                "new_tokens": 64,
+                "n_prompts": 2,
+                "grid": {
+                    "method": ["ssd"],
+                    "k": [4],
+                    "saguaro_c": [0.0, 0.25, 0.5, 0.75, 1.0],
+                    "backup": ["neural"],
+                    "temperature": [1.0],
+                    "category": ["chat"],
+                },
+            },
+            {
+                "name": "paper_oracle",
+                "kind": "oracle",
+                **_SMOLLM,
+                "k": 4,
+                "new_tokens": 96,
+                "n_prompts": 8,
+                "categories": ["code", "chat", "math", "copy"],
+            },
         ],
     },
 }
 
 
-def run_suite(name: str, out_dir: str = "experiments/results", target: str | None = None,
-              draft: str | None = None) -> Path:
+def run_suite(
+    name: str, out_dir: str = "experiments/results", target: str | None = None, draft: str | None = None
+) -> Path:
     """Run (or resume) every sweep of a built-in suite into ``<out_dir>/<name>/``, report each,
     and write the suite's index ``README.md`` there; returns the index."""
     if name not in SUITES:
@@ -332,10 +437,18 @@ def run_suite(name: str, out_dir: str = "experiments/results", target: str | Non
         cfg = {**cfg, **({"target": target} if target else {}), **({"draft": draft} if draft else {})}
         path = run_sweep(cfg, str(d))
         made.append((cfg, path, *report(path)))
-    lines = [f"# Suite `{name}`", "", suite["about"], "",
-             f"Re-run (resumes; finished configurations are skipped): `python -m ssd_jax.bench --suite {name}`", ""]
+    lines = [
+        f"# Suite `{name}`",
+        "",
+        suite["about"],
+        "",
+        f"Re-run (resumes; finished configurations are skipped): `python -m ssd_jax.bench --suite {name}`",
+        "",
+    ]
     for cfg, path, md, png in made:
-        lines.append(f"- [{cfg['name']}]({md.name}) ({path.name}" + (f", [plot]({png.name})" if png else "") + ")")
+        lines.append(
+            f"- [{cfg['name']}]({md.name}) ({path.name}" + (f", [plot]({png.name})" if png else "") + ")"
+        )
     index = d / "README.md"
     index.write_text("\n".join(lines) + "\n")
     return index
@@ -364,20 +477,30 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
     if rows[0].get("kind") == "oracle":
         return _report_oracle(p, rows)
     cats = sorted({r["config"]["category"] for r in rows})
-    base = {(r["config"]["category"], r["config"]["batch_size"], r["config"]["temperature"]): r["decode_tokens_per_s"]
-            for r in rows if r["config"]["method"] == "ar"}
+    base = {
+        (r["config"]["category"], r["config"]["batch_size"], r["config"]["temperature"]): r[
+            "decode_tokens_per_s"
+        ]
+        for r in rows
+        if r["config"]["method"] == "ar"
+    }
 
     def label(c):
         return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("category",))
 
     e = rows[0]["env"]
-    lines = [f"# Sweep {p.stem}", "",
-             f"{e.get('backend')} ({e.get('device_kind')}, {e.get('device_count')} device(s)), jax {e.get('jax')}, "
-             f"commit {e.get('git_commit')}; models {e.get('models')}. Decode tok/s excludes prefill and the first "
-             "token and counts every sequence of the batch (throughput); per-seq divides by the batch size. "
-             "'vs AR' compares with AR at the same category, batch size and temperature.", "",
-             "| configuration | category | prompts | decode tok/s | per-seq tok/s | vs AR | tok/s/device | acceptance "
-             "| tokens/round | hit | tau hit | tau miss | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Sweep {p.stem}",
+        "",
+        f"{e.get('backend')} ({e.get('device_kind')}, {e.get('device_count')} device(s)), jax {e.get('jax')}, "
+        f"commit {e.get('git_commit')}; models {e.get('models')}. Decode tok/s excludes prefill and the first "
+        "token and counts every sequence of the batch (throughput); per-seq divides by the batch size. "
+        "'vs AR' compares with AR at the same category, batch size and temperature.",
+        "",
+        "| configuration | category | prompts | decode tok/s | per-seq tok/s | vs AR | tok/s/device | acceptance "
+        "| tokens/round | hit | tau hit | tau miss | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def f(x):
         return "-" if x is None else f"{x:.2f}"
@@ -385,24 +508,34 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
     for r in rows:
         c = r["config"]
         b = base.get((c["category"], c["batch_size"], c["temperature"]))
-        lines.append(f"| {label(c)} | {c['category']} | {r['prompts']} | {r['decode_tokens_per_s']:.2f} "
-                     f"| {r['decode_tokens_per_s'] / c['batch_size']:.2f} "
-                     f"| {f(r['decode_tokens_per_s'] / b if b else None)} | {r['tokens_per_s_per_device']:.2f} "
-                     f"| {f(r.get('acceptance_rate'))} | {f(r.get('mean_acceptance_length'))} "
-                     f"| {f(r.get('cache_hit_rate'))} | {f(r.get('tau_hit'))} | {f(r.get('tau_miss'))} "
-                     f"| {r['env']['loadavg'][0]:.2f} |")
+        lines.append(
+            f"| {label(c)} | {c['category']} | {r['prompts']} | {r['decode_tokens_per_s']:.2f} "
+            f"| {r['decode_tokens_per_s'] / c['batch_size']:.2f} "
+            f"| {f(r['decode_tokens_per_s'] / b if b else None)} | {r['tokens_per_s_per_device']:.2f} "
+            f"| {f(r.get('acceptance_rate'))} | {f(r.get('mean_acceptance_length'))} "
+            f"| {f(r.get('cache_hit_rate'))} | {f(r.get('tau_hit'))} | {f(r.get('tau_miss'))} "
+            f"| {r['env']['loadavg'][0]:.2f} |"
+        )
     lines += _breakdown_table(rows, label)
     md = p.with_suffix(".md")
     extra_png = _saguaro_plot(p, rows, plt)
-    md.write_text("\n".join(lines) + f"\n\n![decode tok/s]({p.stem}.png)\n"
-                  + (f"\n![cache hit rate against acceptance]({extra_png.name})\n" if extra_png else ""))
+    md.write_text(
+        "\n".join(lines)
+        + f"\n\n![decode tok/s]({p.stem}.png)\n"
+        + (f"\n![cache hit rate against acceptance]({extra_png.name})\n" if extra_png else "")
+    )
 
     labels = list(dict.fromkeys(label(r["config"]) for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(cats) / 2), 4))
     width = 0.8 / max(len(cats), 1)
     for i, cat in enumerate(cats):
         vals = {label(r["config"]): r["decode_tokens_per_s"] for r in rows if r["config"]["category"] == cat}
-        ax.bar([j + i * width for j in range(len(labels))], [vals.get(lb, 0.0) for lb in labels], width, label=cat)
+        ax.bar(
+            [j + i * width for j in range(len(labels))],
+            [vals.get(lb, 0.0) for lb in labels],
+            width,
+            label=cat,
+        )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))])
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("decode tokens/s")
@@ -423,17 +556,24 @@ def _breakdown_table(rows: list[dict[str, Any]], label) -> list[str]:
     rows = [r for r in rows if all(r.get(k) is not None for k in BREAKDOWN)]
     if not rows:
         return []
-    out = ["", "## Time breakdown", "",
-           "Shares of the summed part times (draft, verify, sampling and rejection, host overhead). For SSD the "
-           "draft runs beside the verify; 'exposed' is the draft time nothing else overlapped.", "",
-           "| configuration | category | draft | verify | sampling | overhead | exposed draft s | total s |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "",
+        "## Time breakdown",
+        "",
+        "Shares of the summed part times (draft, verify, sampling and rejection, host overhead). For SSD the "
+        "draft runs beside the verify; 'exposed' is the draft time nothing else overlapped.",
+        "",
+        "| configuration | category | draft | verify | sampling | overhead | exposed draft s | total s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         tot = sum(r[k] for k in BREAKDOWN) or 1.0
         exp = r.get("draft_exposed_s")
-        out.append(f"| {label(r['config'])} | {r['config']['category']} | "
-                   + " | ".join(f"{r[k] / tot:.0%}" for k in BREAKDOWN)
-                   + f" | {'-' if exp is None else f'{exp:.2f}'} | {tot:.2f} |")
+        out.append(
+            f"| {label(r['config'])} | {r['config']['category']} | "
+            + " | ".join(f"{r[k] / tot:.0%}" for k in BREAKDOWN)
+            + f" | {'-' if exp is None else f'{exp:.2f}'} | {tot:.2f} |"
+        )
     return out
 
 
@@ -458,7 +598,10 @@ def _saguaro_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path | None:
 def _report_oracle(p: Path, rows: list[dict[str, Any]]) -> tuple[Path, Path | None]:
     e = rows[0]["env"]
     md = p.with_suffix(".md")
-    md.write_text(f"# {p.stem}\n\n{e.get('backend')}, commit {e.get('git_commit')}; models {e.get('models')}; "
-                  f"K = {rows[0]['k']}, greedy, {len(rows)} prompts.\n\n"
-                  + oracle.render_markdown(oracle.aggregate(rows)) + "\n")
+    md.write_text(
+        f"# {p.stem}\n\n{e.get('backend')}, commit {e.get('git_commit')}; models {e.get('models')}; "
+        f"K = {rows[0]['k']}, greedy, {len(rows)} prompts.\n\n"
+        + oracle.render_markdown(oracle.aggregate(rows))
+        + "\n"
+    )
     return md, None

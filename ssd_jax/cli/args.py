@@ -35,28 +35,64 @@ def add_spec_args(p) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--method", default="ar", help="ar | sd | ssd")
     g.add_argument("--draft", default=None, help="draft model name or path, 'ngram' or 'random'")
-    g.add_argument("--k", default="auto", help="speculative tokens per round: an integer >= 1, or 'auto' (default): "
-                   "chosen in 1..8 from a short calibration of this machine, cached under $SSD_JAX_CACHE/kauto")
+    g.add_argument(
+        "--k",
+        default="auto",
+        help="speculative tokens per round: an integer >= 1, or 'auto' (default): "
+        "chosen in 1..8 from a short calibration of this machine, cached under $SSD_JAX_CACHE/kauto",
+    )
     g.add_argument("--prompt-lookup-min", type=int, default=1)
     g.add_argument("--prompt-lookup-max", type=int, default=4)
-    g.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="keep only the N most frequent "
-                   "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
-                   "the draft); exact, since q = 0 outside them (default: the full vocabulary)")
-    g.add_argument("--draft-dtype", default=None, choices=("float32", "bfloat16"), help="store the draft model's "
-                   "weight matrices in this dtype while it computes in the target's (default: the target's dtype); "
-                   "exact either way. On CPU, bfloat16 under a float32 target halves what each draft step reads")
+    g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep only the N most frequent "
+        "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
+        "the draft); exact, since q = 0 outside them (default: the full vocabulary)",
+    )
+    g.add_argument(
+        "--draft-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="store the draft model's "
+        "weight matrices in this dtype while it computes in the target's (default: the target's dtype); "
+        "exact either way. On CPU, bfloat16 under a float32 target halves what each draft step reads",
+    )
     g = p.add_argument_group("speculative speculative decoding (--method ssd)")
-    g.add_argument("--fan-out", default="geometric", help="branches per acceptance position: an integer, or "
-                   "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)")
-    g.add_argument("--fan-out-budget", type=int, default=None, help="branches per sequence for geometric "
-                   "fan-out (default 2*(k+1))")
-    g.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro down-weighting of cached tokens in "
-                   "the draft distribution, in [0, 1] (1 = plain sampling)")
-    g.add_argument("--backup", default="auto", help="cache-miss fallback: neural | ngram | random | auto "
-                   "(neural below the critical batch size b*, n-gram above)")
+    g.add_argument(
+        "--fan-out",
+        default="geometric",
+        help="branches per acceptance position: an integer, or "
+        "'geometric' (Theorem 12, acceptance and miss exponent estimated online; default)",
+    )
+    g.add_argument(
+        "--fan-out-budget",
+        type=int,
+        default=None,
+        help="branches per sequence for geometric fan-out (default 2*(k+1))",
+    )
+    g.add_argument(
+        "--saguaro-c",
+        type=float,
+        default=1.0,
+        help="Saguaro down-weighting of cached tokens in "
+        "the draft distribution, in [0, 1] (1 = plain sampling)",
+    )
+    g.add_argument(
+        "--backup",
+        default="auto",
+        help="cache-miss fallback: neural | ngram | random | auto "
+        "(neural below the critical batch size b*, n-gram above)",
+    )
     g.add_argument("--target-devices", type=int, default=None, help="target mesh size (tensor parallel)")
-    g.add_argument("--draft-devices", type=int, default=None, help="draft mesh size (disjoint from the "
-                   "target's); without either flag both models share one device")
+    g.add_argument(
+        "--draft-devices",
+        type=int,
+        default=None,
+        help="draft mesh size (disjoint from the target's); without either flag both models share one device",
+    )
     return g
 
 

@@ -40,9 +40,13 @@ def _suite_defaults(args, argv, defaults: dict) -> None:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m ssd_jax.bench")
-    p.add_argument("--suite", default="ar", choices=["ar", "sd", "ssd", "smoke", "paper", "protocol", "acceptance"],
-                   help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/bench/sweep.py) "
-                        "written to <out>/<suite>/ with a report")
+    p.add_argument(
+        "--suite",
+        default="ar",
+        choices=["ar", "sd", "ssd", "smoke", "paper", "protocol", "acceptance"],
+        help="ar/sd/ssd: the per-method benchmarks; smoke/paper: built-in sweep suites (ssd_jax/bench/sweep.py) "
+        "written to <out>/<suite>/ with a report",
+    )
     p.add_argument("--ssd-k", type=int, default=4)
     p.add_argument("--parts", nargs="+", default=["main", "fanout", "saguaro", "batch"])
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -58,21 +62,43 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--out", default="experiments/results")
     p.add_argument("--tag", default="", help="suffix of the results file name (e.g. the model pair)")
-    p.add_argument("--methods", nargs="+", default=["ar", "sd:4", "ngram:4", "ssd:4"],
-                   help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
-                   "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; a further :bf16 stores the draft in bfloat16; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
-                   "can be compared in one run); ar is required")
-    p.add_argument("--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ar", "sd:4", "ngram:4", "ssd:4"],
+        help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
+        "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; a further :bf16 stores the draft in bfloat16; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
+        "can be compared in one run); ar is required",
+    )
+    p.add_argument(
+        "--order", default="rotate", choices=list(protocol.ORDERS), help="protocol: per-unit method order"
+    )
     p.add_argument("--seed", type=int, default=0, help="protocol: seed of --order shuffle")
-    p.add_argument("--chat", action="store_true", help="protocol, acceptance: wrap prompts in the target's chat template")
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: sampling temperatures")
-    p.add_argument("--bandwidth", type=float, default=None,
-                   help="protocol: read bandwidth in GB/s for the AR roofline (default: measured)")
-    p.add_argument("--protocol-report", metavar="RESULTS_JSONL", help="re-render a protocol results file's table")
+    p.add_argument(
+        "--chat", action="store_true", help="protocol, acceptance: wrap prompts in the target's chat template"
+    )
+    p.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="acceptance: sampling temperatures"
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="protocol: read bandwidth in GB/s for the AR roofline (default: measured)",
+    )
+    p.add_argument(
+        "--protocol-report", metavar="RESULTS_JSONL", help="re-render a protocol results file's table"
+    )
     p.add_argument("--child-ar", help=argparse.SUPPRESS)
-    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file")
-    p.add_argument("--sweep", metavar="CONFIG_JSON", help="run (or resume) a sweep: one JSON line per configuration "
-                   "in <out>/<name>.jsonl, then its report (see ssd_jax/bench/sweep.py)")
+    p.add_argument(
+        "--render", metavar="RESULTS_JSON", help="only re-render the markdown table of a results file"
+    )
+    p.add_argument(
+        "--sweep",
+        metavar="CONFIG_JSON",
+        help="run (or resume) a sweep: one JSON line per configuration "
+        "in <out>/<name>.jsonl, then its report (see ssd_jax/bench/sweep.py)",
+    )
     p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
     args = p.parse_args(argv)
     if args.sweep or args.report or args.suite in ("smoke", "paper"):
@@ -95,13 +121,23 @@ def main(argv=None) -> int:
     if args.protocol_report:
         print(f"wrote {protocol.write_report(args.protocol_report)}", file=sys.stderr)
         return 0
-    if args.suite in ("protocol", "acceptance"):  # the protocol's defaults (acceptance: K = 4, not a batch size)
+    if args.suite in (
+        "protocol",
+        "acceptance",
+    ):  # the protocol's defaults (acceptance: K = 4, not a batch size)
         from ssd_jax.bench import acceptance
 
         own = {"--ks": ("ks", [4])} if args.suite == "acceptance" else {"--batch-sizes": ("batch_sizes", [1])}
-        _suite_defaults(args, argv, {"--n-prompts": ("n_prompts", 8),
-                                     "--categories": ("categories", list(protocol.CATEGORIES)),
-                                     "--new-tokens": ("new_tokens", 64), **own})
+        _suite_defaults(
+            args,
+            argv,
+            {
+                "--n-prompts": ("n_prompts", 8),
+                "--categories": ("categories", list(protocol.CATEGORIES)),
+                "--new-tokens": ("new_tokens", 64),
+                **own,
+            },
+        )
         mod = acceptance if args.suite == "acceptance" else protocol
 
         def go(_):
@@ -116,7 +152,9 @@ def main(argv=None) -> int:
         args.new_tokens = 64
     res = {"ar": suites.suite_ar, "sd": suites.suite_sd, "ssd": suites.suite_ssd}[args.suite](args)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{res['suite']}_{res['env']['backend']}" + (f"_{args.tag}" if args.tag else ""))
+    stem = os.path.join(
+        args.out, f"{res['suite']}_{res['env']['backend']}" + (f"_{args.tag}" if args.tag else "")
+    )
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(stem + ".md", "w") as f:

@@ -41,11 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g = add_spec_args(p)
     g.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the device work (ssd)")
-    g.add_argument("--profile-stages", action="store_true", help="sd/ssd: time the draft, verify and sample "
-                   "stages separately (one call each per round, slower; default: one call per round on one device, "
-                   "stage times null; --trace implies it)")
-    g.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first (multi-host: "
-                   "run the same command on every host; meshes then span jax.devices() of all hosts)")
+    g.add_argument(
+        "--profile-stages",
+        action="store_true",
+        help="sd/ssd: time the draft, verify and sample "
+        "stages separately (one call each per round, slower; default: one call per round on one device, "
+        "stage times null; --trace implies it)",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() first (multi-host: "
+        "run the same command on every host; meshes then span jax.devices() of all hosts)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -167,8 +175,9 @@ def _run(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    res = generate(model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None,
-                   trace=args.trace)
+    res = generate(
+        model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None, trace=args.trace
+    )
     m = res.metrics
     if not main:
         return 0
@@ -191,8 +200,12 @@ def _run(args) -> int:
         print(
             f"[{res.method}] draft {m['draft']} k={m['k']}{' (auto)' if m.get('k_auto') else ''}{k_mean}: acceptance {m['acceptance_rate']:.2f}, "
             f"{m['mean_acceptance_length']:.2f} tokens/verify step (incl. bonus), {m['verify_steps']} verify steps; "
-            + (f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
-               f"overhead {m['overhead_s']:.2f}s" if m.get("draft_s") is not None else "stage times: --profile-stages"),
+            + (
+                f"time draft {m['draft_s']:.2f}s verify {m['verify_s']:.2f}s sample {m['sample_s']:.2f}s "
+                f"overhead {m['overhead_s']:.2f}s"
+                if m.get("draft_s") is not None
+                else "stage times: --profile-stages"
+            ),
             file=sys.stderr,
         )
     if "cache_hit_rate" in m:
@@ -200,8 +213,11 @@ def _run(args) -> int:
             f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "
             f"tokens/round {m['tau_hit']:.2f} on hits, {m['tau_miss']:.2f} on misses; fan-out "
             f"{m['fanout']['mode']} {m['fanout']['schedule']}; fallbacks {m['fallback_calls']}; "
-            + (f"build/verify overlap {m['overlap_fraction']:.2f}" if m.get("overlap_fraction") is not None
-               else f"{m['calls_per_round']:.2f} compiled calls / round"),
+            + (
+                f"build/verify overlap {m['overlap_fraction']:.2f}"
+                if m.get("overlap_fraction") is not None
+                else f"{m['calls_per_round']:.2f} compiled calls / round"
+            ),
             file=sys.stderr,
         )
     return 0

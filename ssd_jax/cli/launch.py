@@ -38,11 +38,19 @@ def build_parser() -> Parser:
     p = Parser(prog="python -m ssd_jax.launch", description=__doc__.split("\n")[0])
     p.add_argument("--processes", type=int, default=2, help="number of JAX processes (default 2)")
     p.add_argument("--devices-per-process", type=int, default=1, help="devices each process owns (default 1)")
-    p.add_argument("--platform", default="auto", choices=("auto", "cpu", "gpu"),
-                   help="cpu: fake CPU devices; gpu: split the GPUs; auto: gpu when nvidia-smi lists any")
+    p.add_argument(
+        "--platform",
+        default="auto",
+        choices=("auto", "cpu", "gpu"),
+        help="cpu: fake CPU devices; gpu: split the GPUs; auto: gpu when nvidia-smi lists any",
+    )
     p.add_argument("--port", type=int, default=0, help="coordinator port on localhost (default: a free one)")
-    p.add_argument("--no-kill", action="store_true", help="when a process fails, leave the others to notice "
-                   "it themselves (tests the runtime's own failure handling) instead of stopping them")
+    p.add_argument(
+        "--no-kill",
+        action="store_true",
+        help="when a process fails, leave the others to notice "
+        "it themselves (tests the runtime's own failure handling) instead of stopping them",
+    )
     p.add_argument("command", choices=sorted(COMMANDS), help="the ssd_jax command to run")
     p.add_argument("args", nargs="...", help="its arguments (--distributed is added)")
     return p
@@ -66,10 +74,18 @@ def _gpu_count() -> int:
 
 def process_env(i: int, n: int, per: int, port: int, platform: str, base: dict) -> dict:
     env = dict(base)
-    env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i),
-               PYTHONUNBUFFERED="1")
+    env.update(
+        JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+        JAX_NUM_PROCESSES=str(n),
+        JAX_PROCESS_ID=str(i),
+        PYTHONUNBUFFERED="1",
+    )
     if platform == "cpu":
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={per}"])
         env["JAX_PLATFORMS"] = "cpu"
     else:
@@ -109,20 +125,31 @@ def run(argv=None) -> int:
     if platform == "gpu" and _gpu_count() < args.processes * args.devices_per_process:
         from ssd_jax.errors import UserError
 
-        raise UserError(f"{args.processes} x {args.devices_per_process} GPUs asked for, {_gpu_count()} present")
+        raise UserError(
+            f"{args.processes} x {args.devices_per_process} GPUs asked for, {_gpu_count()} present"
+        )
     port = args.port or free_port()
     cmd = [sys.executable, "-m", COMMANDS[args.command], "--distributed", *args.args]
     out_b, err_b = sys.stdout.buffer, sys.stderr.buffer
     procs, threads = [], []
     for i in range(args.processes):
-        p = subprocess.Popen(cmd, env=process_env(i, args.processes, args.devices_per_process, port, platform,
-                                                  os.environ),
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            cmd,
+            env=process_env(i, args.processes, args.devices_per_process, port, platform, os.environ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         procs.append(p)
         prefix = f"[p{i}] ".encode()
-        threads += [threading.Thread(target=_forward, args=(p.stdout, out_b if i == 0 else err_b,
-                                                            b"" if i == 0 else prefix), daemon=True),
-                    threading.Thread(target=_forward, args=(p.stderr, err_b, prefix), daemon=True)]
+        threads += [
+            threading.Thread(
+                target=_forward,
+                args=(p.stdout, out_b if i == 0 else err_b, b"" if i == 0 else prefix),
+                daemon=True,
+            ),
+            threading.Thread(target=_forward, args=(p.stderr, err_b, prefix), daemon=True),
+        ]
         err_b.write(f"[launch] process {i} pid {p.pid}\n".encode())
     err_b.flush()
     for t in threads:
@@ -141,8 +168,10 @@ def run(argv=None) -> int:
             if bad and first_bad is None:
                 first_bad = bad[0]
                 i, rc = first_bad
-                err_b.write(f"[launch] process {i} {_describe(rc)}; "
-                            f"{'waiting for' if args.no_kill else 'stopping'} the others\n".encode())
+                err_b.write(
+                    f"[launch] process {i} {_describe(rc)}; "
+                    f"{'waiting for' if args.no_kill else 'stopping'} the others\n".encode()
+                )
                 err_b.flush()
                 if not args.no_kill:
                     stop_all()

@@ -21,27 +21,51 @@ from ssd_jax.cli.args import Parser
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m ssd_jax.perfmodel", description=pm.__doc__.split("\n")[0])
-    p.add_argument("--validate", nargs="+", metavar="RESULTS_JSON",
-                   help="calibrate on this CPU's results and compare predictions with the measurements")
-    p.add_argument("--validate-split", metavar="SPLIT_JSON",
-                   help="fit on the cells a split file declares (e.g. experiments/perf_split.json), predict the "
-                        "held-out ones, quote max and mean errors in- and out-of-sample")
+    p.add_argument(
+        "--validate",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="calibrate on this CPU's results and compare predictions with the measurements",
+    )
+    p.add_argument(
+        "--validate-split",
+        metavar="SPLIT_JSON",
+        help="fit on the cells a split file declares (e.g. experiments/perf_split.json), predict the "
+        "held-out ones, quote max and mean errors in- and out-of-sample",
+    )
     p.add_argument("--predict", nargs="+", choices=["paper", "qwen-h200"], default=[])
-    p.add_argument("--hardware", help="the base hardware of --validate / --calibrate-forward and the hardware of "
-                   "--predict (" + ", ".join(HARDWARE) + ")")
-    p.add_argument("--acceptance-from", nargs="*", metavar="RESULTS_JSON",
-                   help="results whose measured acceptance / hit rates feed --predict qwen-h200 "
-                        "(default: the SD / SSD CPU results in experiments/results that exist)")
+    p.add_argument(
+        "--hardware",
+        help="the base hardware of --validate / --calibrate-forward and the hardware of "
+        "--predict (" + ", ".join(HARDWARE) + ")",
+    )
+    p.add_argument(
+        "--acceptance-from",
+        nargs="*",
+        metavar="RESULTS_JSON",
+        help="results whose measured acceptance / hit rates feed --predict qwen-h200 "
+        "(default: the SD / SSD CPU results in experiments/results that exist)",
+    )
     p.add_argument("--batch", type=int, default=1, help="batch size of --predict qwen-h200")
-    p.add_argument("--measure", nargs="+", metavar="MODEL", help="time synthetic-weight forward passes (GPU check)")
+    p.add_argument(
+        "--measure", nargs="+", metavar="MODEL", help="time synthetic-weight forward passes (GPU check)"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", help="where --measure writes its rows")
-    p.add_argument("--calibrate-forward", nargs="+", metavar="RESULTS_JSON",
-                   help="fit --hardware's forward constants on --measure rows and/or AR-suite results, "
-                        "then use them for --predict")
+    p.add_argument(
+        "--calibrate-forward",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="fit --hardware's forward constants on --measure rows and/or AR-suite results, "
+        "then use them for --predict",
+    )
     p.add_argument("--show-hardware", action="store_true", help="print the hardware presets")
-    p.add_argument("--update-doc", metavar="MARKDOWN", help="rewrite the generated blocks of this file (e.g. "
-                   "experiments/perf_model.md) with fresh tables; --validate FILES feeds its validation block")
+    p.add_argument(
+        "--update-doc",
+        metavar="MARKDOWN",
+        help="rewrite the generated blocks of this file (e.g. "
+        "experiments/perf_model.md) with fresh tables; --validate FILES feeds its validation block",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown tables")
     a = p.parse_args(argv)
     doc: dict[str, Any] = {}
@@ -54,7 +78,8 @@ def main(argv=None) -> int:
     if a.update_doc:
         pm.update_doc(a.update_doc, a.validate or [])
         if a.validate_split and not perfsplit.update_block(
-                a.update_doc, perfsplit.render_split(perfsplit.validate_split(a.validate_split)), "split"):
+            a.update_doc, perfsplit.render_split(perfsplit.validate_split(a.validate_split)), "split"
+        ):
             print(f"{a.update_doc} has no <!-- perfmodel:split --> block", file=sys.stderr)
             return 1
         print(f"updated {a.update_doc}", file=sys.stderr)
@@ -83,12 +108,16 @@ def main(argv=None) -> int:
             paths = a.acceptance_from
             if paths is None:
                 here = Path("experiments/results")
-                paths = [str(x) for x in sorted(here.glob("sd_cpu*.json")) + sorted(here.glob("ssd_cpu*.json"))]
+                paths = [
+                    str(x) for x in sorted(here.glob("sd_cpu*.json")) + sorted(here.glob("ssd_cpu*.json"))
+                ]
             results = [pm.load_results(x) for x in paths]
             d = pm.predict_qwen(hw_override or HARDWARE["h200"], results=results, batch=a.batch)
             doc["qwen_h200"] = d
             md.append(pm.render_qwen(d))
-    if not (a.validate or a.validate_split or a.predict or a.measure or a.calibrate_forward or a.show_hardware):
+    if not (
+        a.validate or a.validate_split or a.predict or a.measure or a.calibrate_forward or a.show_hardware
+    ):
         p.print_help()
         return 0
     if a.json:

@@ -65,14 +65,17 @@ def _config_of(name_or_path: str):
 
         if hf_loader.is_hf_dir(p):
             return hf_loader.hf_config(p)
-        raise UserError(f"{p} is neither a Hugging Face model directory (config.json + *.safetensors) "
-                        f"nor a converted model (manifest.json)")
+        raise UserError(
+            f"{p} is neither a Hugging Face model directory (config.json + *.safetensors) "
+            f"nor a converted model (manifest.json)"
+        )
     if p.is_file():
         from ssd_jax.loading.gguf_loader import config_from_gguf, open_gguf
 
         return config_from_gguf(open_gguf(p))
-    raise UserError(f"unknown model {key!r}: not a registered name ({', '.join(registry.REGISTRY)}) "
-                    f"nor an existing path")
+    raise UserError(
+        f"unknown model {key!r}: not a registered name ({', '.join(registry.REGISTRY)}) nor an existing path"
+    )
 
 
 def model_params(name_or_path: str) -> dict[str, Any]:
@@ -99,14 +102,24 @@ LINEAR_NOTE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m ssd_jax.sdsl",
-               description="SDSL: the throughput-optimal draft size and lookahead for a target model.")
+    p = Parser(
+        prog="python -m ssd_jax.sdsl",
+        description="SDSL: the throughput-optimal draft size and lookahead for a target model.",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--target-params", help="target size in parameters, e.g. 70e9 or 70B")
-    g.add_argument("--target", help="registry name, .gguf file, HF or converted directory: counts its parameters")
-    p.add_argument("--tokens", default=None, help=f"training tokens D for both models (default {DEFAULT_TOKENS:g})")
-    p.add_argument("--integer-gamma", action="store_true", help="use the best integer lookahead, not the continuous one")
-    p.add_argument("--drafts", default="", help="comma-separated draft sizes to add to the flatness table (e.g. 1e9,8e9)")
+    g.add_argument(
+        "--target", help="registry name, .gguf file, HF or converted directory: counts its parameters"
+    )
+    p.add_argument(
+        "--tokens", default=None, help=f"training tokens D for both models (default {DEFAULT_TOKENS:g})"
+    )
+    p.add_argument(
+        "--integer-gamma", action="store_true", help="use the best integer lookahead, not the continuous one"
+    )
+    p.add_argument(
+        "--drafts", default="", help="comma-separated draft sizes to add to the flatness table (e.g. 1e9,8e9)"
+    )
     p.add_argument("--fit", action="store_true", help="fit N_opt = mu*M + M0 over 13-110B targets")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -144,15 +157,29 @@ def run(argv=None) -> int:
             expected_tokens=best.expected_tokens,
             speedup=best.speedup,
             speculation_pays=bool(best.gamma > 0),
-            linear_rule=dict(mu=PAPER_MU, M0=PAPER_M0, prediction=lin, fitted_range=list(FIT_RANGE),
-                             in_range=in_range, note=LINEAR_NOTE),
+            linear_rule=dict(
+                mu=PAPER_MU,
+                M0=PAPER_M0,
+                prediction=lin,
+                fitted_range=list(FIT_RANGE),
+                in_range=in_range,
+                note=LINEAR_NOTE,
+            ),
             flatness=flatness(M, D, drafts=drafts, **kw),
         )
     if args.fit:
         f = fit_linear(None, D, **kw)
-        out["fit"] = dict(mu=f.mu, M0=f.M0, r2=f.r2, paper_mu=PAPER_MU, paper_M0=PAPER_M0,
-                          mu_rel_err=f.mu / PAPER_MU - 1.0, M0_rel_err=f.M0 / PAPER_M0 - 1.0,
-                          range=list(FIT_RANGE), points=len(f.Ms))
+        out["fit"] = dict(
+            mu=f.mu,
+            M0=f.M0,
+            r2=f.r2,
+            paper_mu=PAPER_MU,
+            paper_M0=PAPER_M0,
+            mu_rel_err=f.mu / PAPER_MU - 1.0,
+            M0_rel_err=f.M0 / PAPER_M0 - 1.0,
+            range=list(FIT_RANGE),
+            points=len(f.Ms),
+        )
     if args.json:
         print(json.dumps(out))
         return 0
@@ -165,32 +192,42 @@ def _print_text(o: dict[str, Any]) -> None:
     if "n_opt" in o:
         if o["param_count"]:
             pc = o["param_count"]
-            print(f"target {pc['name']}: {pc['total']:,} parameters in total "
-                  f"({pc['non_embedding']:,} without embeddings; tied embeddings: {pc['tied_embeddings']}); "
-                  f"the law uses the total")
+            print(
+                f"target {pc['name']}: {pc['total']:,} parameters in total "
+                f"({pc['non_embedding']:,} without embeddings; tied embeddings: {pc['tied_embeddings']}); "
+                f"the law uses the total"
+            )
         M = o["target_params"]
         print(f"target M = {M:.4g} parameters, training tokens D = {o['tokens']:.3g}, gamma {g}")
         print(f"N_opt      = {o['n_opt']:.4g} parameters  (M/N_opt = {M / o['n_opt']:.0f})")
         print(f"gamma*     = {o['gamma_star']:.3f}  (best integer: {o['gamma_integer']:.0f})")
-        print(f"alpha      = {o['alpha']:.4f}  (draft ppl {o['draft_ppl']:.3f}, target ppl {o['target_ppl']:.3f})")
+        print(
+            f"alpha      = {o['alpha']:.4f}  (draft ppl {o['draft_ppl']:.3f}, target ppl {o['target_ppl']:.3f})"
+        )
         print(f"E[tokens]  = {o['expected_tokens']:.3f} per round")
         print(f"speedup    = {o['speedup']:.3f}x over autoregressive (batch-1, weight-read model)")
         if not o["speculation_pays"]:
             print("speculation does not pay for this target in this model (gamma* = 0)")
         print("flatness (gamma re-optimised at each N):")
-        print(f"  {'N/N_opt':>8} {'N':>10} {'gamma*':>7} {'alpha':>7} {'speedup':>8} {'T/T_opt':>8} {'loss':>7}")
+        print(
+            f"  {'N/N_opt':>8} {'N':>10} {'gamma*':>7} {'alpha':>7} {'speedup':>8} {'T/T_opt':>8} {'loss':>7}"
+        )
         for r in o["flatness"]:
-            print(f"  {r['factor']:8.3g} {r['N']:10.3g} {r['gamma']:7.2f} {r['alpha']:7.4f} "
-                  f"{r['speedup']:8.3f} {r['rel_throughput']:8.4f} {r['loss_pct']:6.1f}%")
+            print(
+                f"  {r['factor']:8.3g} {r['N']:10.3g} {r['gamma']:7.2f} {r['alpha']:7.4f} "
+                f"{r['speedup']:8.3f} {r['rel_throughput']:8.4f} {r['loss_pct']:6.1f}%"
+            )
         lr = o["linear_rule"]
         where = "inside" if lr["in_range"] else "OUTSIDE"
         print(f"linear rule mu*M + M0 = {lr['prediction']:.4g} (target {where} the fitted 13-110B range)")
         print(lr["note"])
     if "fit" in o:
         f = o["fit"]
-        print(f"fit over {f['range'][0]:.3g}-{f['range'][1]:.3g} ({f['points']} targets, D = {o['tokens']:.3g}, "
-              f"gamma {g}): mu = {f['mu']:.4g} (paper {f['paper_mu']:.3g}, {100 * f['mu_rel_err']:+.1f}%), "
-              f"M0 = {f['M0']:.4g} (paper {f['paper_M0']:.3g}, {100 * f['M0_rel_err']:+.1f}%), R^2 = {f['r2']:.5f}")
+        print(
+            f"fit over {f['range'][0]:.3g}-{f['range'][1]:.3g} ({f['points']} targets, D = {o['tokens']:.3g}, "
+            f"gamma {g}): mu = {f['mu']:.4g} (paper {f['paper_mu']:.3g}, {100 * f['mu_rel_err']:+.1f}%), "
+            f"M0 = {f['M0']:.4g} (paper {f['paper_M0']:.3g}, {100 * f['M0_rel_err']:+.1f}%), R^2 = {f['r2']:.5f}"
+        )
 
 
 def build_validate_parser() -> argparse.ArgumentParser:
@@ -199,18 +236,33 @@ def build_validate_parser() -> argparse.ArgumentParser:
     from ssd_jax.training.args import LOSSES
 
     d = Validation(target="", data="", runs="", out="")
-    p = Parser(prog="python -m ssd_jax.sdsl validate",
-               description="SDSL validation: train drafts of >= 4 sizes around N_opt with several seeds (resumable), "
-                           "measure AR and every draft's SD interleaved under the benchmark protocol, and report "
-                           "SD/AR with 95%% intervals against size beside the law's prediction.")
+    p = Parser(
+        prog="python -m ssd_jax.sdsl validate",
+        description="SDSL validation: train drafts of >= 4 sizes around N_opt with several seeds (resumable), "
+        "measure AR and every draft's SD interleaved under the benchmark protocol, and report "
+        "SD/AR with 95%% intervals against size beside the law's prediction.",
+    )
     p.add_argument("--target", required=True, help="registry name or path of the target")
-    p.add_argument("--data", required=True, help="distill-data directory (python -m ssd_jax.train distill-data), or "
-                   "the --data of another --loss")
-    p.add_argument("--out", required=True, help="results directory (sdsl.md, summary.json, sdsl.png, protocol.jsonl)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="distill-data directory (python -m ssd_jax.train distill-data), or the --data of another --loss",
+    )
+    p.add_argument(
+        "--out", required=True, help="results directory (sdsl.md, summary.json, sdsl.png, protocol.jsonl)"
+    )
     p.add_argument("--runs", default=None, help="training runs directory (default: runs/sdsl-<target>)")
-    p.add_argument("--sizes", nargs="+", default=None, metavar="SIZE", help="draft sizes: layer counts (3L) or "
-                   "non-embedding parameter counts (10M); default: the law's depth x 1/3, 2/3, 1, 4/3, 2")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(d.seeds), help="training seeds (data order) per size")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="draft sizes: layer counts (3L) or "
+        "non-embedding parameter counts (10M); default: the law's depth x 1/3, 2/3, 1, 4/3, 2",
+    )
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=list(d.seeds), help="training seeds (data order) per size"
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -219,10 +271,17 @@ def build_validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-windows", type=int, default=d.eval_windows)
     p.add_argument("--loss", choices=LOSSES, default=d.loss)
     p.add_argument("--ce-weight", type=float, default=d.ce_weight, help="distill: loss = (1-W) KL + W CE")
-    p.add_argument("--no-pack", action="store_true", help="distill: one sequence per window (default: packed)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="distill: train every draft's head trimmed to the N most frequent target tokens (the "
-                        "shipped draft's recipe: 8192); the drafts decode with it")
+    p.add_argument(
+        "--no-pack", action="store_true", help="distill: one sequence per window (default: packed)"
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="distill: train every draft's head trimmed to the N most frequent target tokens (the "
+        "shipped draft's recipe: 8192); the drafts decode with it",
+    )
     p.add_argument("--k", default=str(d.k), help="SD lookahead in the measurement: an integer or auto")
     p.add_argument("--categories", nargs="+", default=list(d.categories), choices=list(protocol.CATEGORIES))
     p.add_argument("--n-prompts", type=int, default=d.n_prompts, help="prompts per category")
@@ -230,7 +289,9 @@ def build_validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=d.new_tokens)
     p.add_argument("--no-chat", action="store_true", help="raw prompts (default: the chat template)")
     p.add_argument("--no-train", action="store_true", help="measure the drafts already trained (drafts.json)")
-    p.add_argument("--report-only", action="store_true", help="only re-render the report from the files on disk")
+    p.add_argument(
+        "--report-only", action="store_true", help="only re-render the report from the files on disk"
+    )
     return p
 
 
@@ -257,11 +318,28 @@ def run_validate(argv) -> int:
         raise UserError(f"--k must be a positive integer or auto, got {a.k!r}")
     cfg = _config_of(a.target)
     v = sv.Validation(
-        target=a.target, data=a.data, out=a.out, runs=a.runs or f"runs/sdsl-{Path(str(a.target).rstrip('/')).name}",
-        depths=_depths(a.sizes, cfg), seeds=tuple(a.seeds), steps=a.steps, batch_size=a.batch_size,
-        seq_len=a.seq_len, lr=a.lr, eval_every=a.eval_every, eval_windows=a.eval_windows, loss=a.loss,
-        ce_weight=a.ce_weight, pack=not a.no_pack, draft_vocab=a.draft_vocab, k=k, categories=tuple(a.categories), n_prompts=a.n_prompts,
-        repeats=a.repeats, new_tokens=a.new_tokens, chat=not a.no_chat,
+        target=a.target,
+        data=a.data,
+        out=a.out,
+        runs=a.runs or f"runs/sdsl-{Path(str(a.target).rstrip('/')).name}",
+        depths=_depths(a.sizes, cfg),
+        seeds=tuple(a.seeds),
+        steps=a.steps,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        lr=a.lr,
+        eval_every=a.eval_every,
+        eval_windows=a.eval_windows,
+        loss=a.loss,
+        ce_weight=a.ce_weight,
+        pack=not a.no_pack,
+        draft_vocab=a.draft_vocab,
+        k=k,
+        categories=tuple(a.categories),
+        n_prompts=a.n_prompts,
+        repeats=a.repeats,
+        new_tokens=a.new_tokens,
+        chat=not a.no_chat,
     )
     if a.report_only:
         md = sv.report(v)

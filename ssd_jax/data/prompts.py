@@ -231,8 +231,11 @@ def training_prompts(
     pools = []
     for src in sources:
         pool = [
-            r for r in load_source(src, max_chars)
-            if r["id"] not in reserved and r["prompt"].strip() not in reserved_text and not prompt_heldout(r["id"])
+            r
+            for r in load_source(src, max_chars)
+            if r["id"] not in reserved
+            and r["prompt"].strip() not in reserved_text
+            and not prompt_heldout(r["id"])
         ]
         random.Random(f"ssd_jax.data/train-prompts/{seed}/{src}").shuffle(pool)
         pools.append(pool)

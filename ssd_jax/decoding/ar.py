@@ -58,4 +58,3 @@ def generate_ar(model, prompts, ids, sampling, spec, on_text) -> GenerationResul
     metrics = batch.speed_metrics(wall, ttft, compile_s)
     metrics["steps"] = step
     return GenerationResult(batch.outputs(), metrics, method="ar")
-

@@ -26,10 +26,8 @@ class GenerationResult:
         return {"method": self.method, "outputs": self.outputs, "metrics": self.metrics}
 
 
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
-
 
 
 def prompt_bucket(n: int) -> int:
@@ -38,7 +36,6 @@ def prompt_bucket(n: int) -> int:
     while b < n:
         b *= 2
     return b
-
 
 
 def encode_prompts(model, prompts: Sequence[str | Sequence[int]], chat: bool) -> list[list[int]]:
@@ -52,7 +49,9 @@ def encode_prompts(model, prompts: Sequence[str | Sequence[int]], chat: bool) ->
                 raise UserError(f"model {model.name} has no tokenizer: pass token ids (--prompt-ids)")
             text = p
             if chat:
-                text = model.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                text = model.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True
+                )
             ids = model.tokenizer.encode(text, add_special_tokens=not chat)
         else:
             ids = [int(t) for t in p]
@@ -67,13 +66,11 @@ def encode_prompts(model, prompts: Sequence[str | Sequence[int]], chat: bool) ->
     return out
 
 
-
 def eos_ids(model) -> set[int]:
     ids = set(model.cfg.eos_token_ids)
     if model.tokenizer is not None:
         ids |= set(model.tokenizer.eos_token_ids)
     return ids
-
 
 
 class RowState:
@@ -150,7 +147,6 @@ class RowState:
         }
 
 
-
 def plan_batch(model, prompt_ids: list[list[int]], sampling: SamplingParams, spec: SpecConfig):
     """Check lengths against the context window; return (rows' ids, prefill width, cache length)."""
     ctx = model.cfg.max_position_embeddings
@@ -166,8 +162,9 @@ def plan_batch(model, prompt_ids: list[list[int]], sampling: SamplingParams, spe
     return width, max_len
 
 
-
-def speed_metrics(rows: list[RowState], wall: float, ttft: float, compile_s: float, n_valid) -> dict[str, Any]:
+def speed_metrics(
+    rows: list[RowState], wall: float, ttft: float, compile_s: float, n_valid
+) -> dict[str, Any]:
     """The metrics every method reports (the CLI's JSON contract)."""
     B = len(rows)
     gen = sum(len(r.tokens) for r in rows)
@@ -183,7 +180,6 @@ def speed_metrics(rows: list[RowState], wall: float, ttft: float, compile_s: flo
         "batch_size": B,
         "prompt_tokens": int(np.sum(n_valid)),
     }
-
 
 
 @dataclasses.dataclass

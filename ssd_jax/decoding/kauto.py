@@ -92,8 +92,15 @@ def _draft_desc(spec, draft, rand_vocab: int) -> dict:
 
 def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
     dev = jax.devices()[0]
-    fields = {"format": FORMAT, "platform": dev.platform, "device_kind": dev.device_kind, "jax": jax.__version__,
-              "target": _fingerprint(model), "draft": desc, "batch": batch}
+    fields = {
+        "format": FORMAT,
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "jax": jax.__version__,
+        "target": _fingerprint(model),
+        "draft": desc,
+        "batch": batch,
+    }
     if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code
         fields["kernels"] = kernels.build_id()
     return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
@@ -122,14 +129,25 @@ def resolve_k(model, spec, sampling, batch: int, load):
         rec, source = {**fields, **calibrate(model, spec, draft, batch, rand_vocab)}, "measured"
         _write_atomic(path, rec)
     c = rec["costs"]
-    sp = expected_speedups(rec["alpha"], c["t_ar"], interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
-                           c["t_draft_step"], c["c_round"])
+    sp = expected_speedups(
+        rec["alpha"],
+        c["t_ar"],
+        interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
+        c["t_draft_step"],
+        c["c_round"],
+    )
     k = best_k(sp)
     # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
     plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
-    info = {"alpha": rec["alpha"], "alpha_source": rec["alpha_source"], "costs": c,
-            "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()}, "source": source,
-            "cache_file": str(path), "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0}
+    info = {
+        "alpha": rec["alpha"],
+        "alpha_source": rec["alpha_source"],
+        "costs": c,
+        "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()},
+        "source": source,
+        "cache_file": str(path),
+        "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0,
+    }
     return dataclasses.replace(spec, k=k, k_plan=plan), info, info["calibration_s"]
 
 
@@ -161,7 +179,9 @@ def _cal_ids(model, n_rows: int) -> np.ndarray:
     """(rows, P_LEN) fixed prompt ids: the built-in texts, or seeded ids without a tokenizer."""
     V = model.cfg.vocab_size
     if model.tokenizer is not None:
-        base = [[t for t in model.tokenizer.encode(s, add_special_tokens=False) if 0 <= t < V] for s in CAL_TEXTS]
+        base = [
+            [t for t in model.tokenizer.encode(s, add_special_tokens=False) if 0 <= t < V] for s in CAL_TEXTS
+        ]
     else:
         rng = np.random.default_rng(0)
         base = [rng.integers(2, V, P_LEN).tolist() for _ in CAL_TEXTS]
@@ -209,7 +229,7 @@ def _simulate_alpha(seq: np.ndarray, start: int, propose) -> tuple[int, int]:
     t = start
     while t + K_MAX <= len(seq):
         prop = np.asarray(propose(t))[:K_MAX]
-        match = prop == seq[t:t + len(prop)]
+        match = prop == seq[t : t + len(prop)]
         a = int(np.argmin(match)) if not match.all() else len(prop)
         acc, rej, t = acc + a, rej + (a < len(prop)), t + a + 1
     return acc, rej
@@ -234,6 +254,7 @@ def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
         def run():
             logits, state["cache"] = score(model.params, state["cache"], cur, zk)
             logits.block_until_ready()
+
         return run
 
     t_verify = {k: _median_time(verify(k)) for k in VERIFY_KS}
@@ -247,24 +268,41 @@ def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
         alpha, alpha_source = 1.0 / rand_vocab, "exact"
     elif spec.draft == "ngram":
         hist = [seq[b] for b in range(B)]
-        c_round = _median_time(lambda: ngram_proposals(hist, K_MAX, spec.prompt_lookup_min, spec.prompt_lookup_max))
+        c_round = _median_time(
+            lambda: ngram_proposals(hist, K_MAX, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        )
         for b in range(rows):
-            a, r = _simulate_alpha(seq[b], P_LEN + 1, lambda t, b=b: ngram_lookup(
-                seq[b, :t], K_MAX, spec.prompt_lookup_min, spec.prompt_lookup_max))
+            a, r = _simulate_alpha(
+                seq[b],
+                P_LEN + 1,
+                lambda t, b=b: ngram_lookup(
+                    seq[b, :t], K_MAX, spec.prompt_lookup_min, spec.prompt_lookup_max
+                ),
+            )
             acc, rej = acc + a, rej + r
     else:
         # the draft teacher-forced on the target's tokens, one step per call (timed): its greedy proposal
         # j of a round is right exactly when proposals 1..j are, so the leading matches are its rounds
         pred, t_draft_step, _ = _step_through(draft, seq, P_LEN, max_len, generate=False)
         for b in range(rows):
-            a, r = _simulate_alpha(seq[b], P_LEN + 1, lambda t, b=b: pred[b, t - 1:t - 1 + K_MAX])
+            a, r = _simulate_alpha(seq[b], P_LEN + 1, lambda t, b=b: pred[b, t - 1 : t - 1 + K_MAX])
             acc, rej = acc + a, rej + r
     if spec.draft != "random":
         if acc + rej:
             alpha = acc / (acc + rej)
         else:
-            alpha, alpha_source = (0.0, "measured") if spec.draft == "ngram" and n_gen else (ALPHA_PRIOR, "prior")
-    costs = {"t_ar": t_ar, "t_verify": {str(k): v for k, v in t_verify.items()}, "t_draft_step": t_draft_step,
-             "c_round": c_round}
-    return {"alpha": float(alpha), "alpha_source": alpha_source, "costs": costs,
-            "calibration_tokens": int(rows * (seq.shape[1] - P_LEN))}
+            alpha, alpha_source = (
+                (0.0, "measured") if spec.draft == "ngram" and n_gen else (ALPHA_PRIOR, "prior")
+            )
+    costs = {
+        "t_ar": t_ar,
+        "t_verify": {str(k): v for k, v in t_verify.items()},
+        "t_draft_step": t_draft_step,
+        "c_round": c_round,
+    }
+    return {
+        "alpha": float(alpha),
+        "alpha_source": alpha_source,
+        "costs": costs,
+        "calibration_tokens": int(rows * (seq.shape[1] - P_LEN)),
+    }

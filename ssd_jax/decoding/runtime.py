@@ -27,7 +27,9 @@ from ssd_jax.sampling.filters import RowSampling, fold_in, sample
 # --- the AR steps ---------------------------------------------------------------------
 
 
-def prefill_step(params: Params, cache: KVCache, tokens_BxT, n_valid_B, key, rs: RowSampling, *, cfg, needs_filter):
+def prefill_step(
+    params: Params, cache: KVCache, tokens_BxT, n_valid_B, key, rs: RowSampling, *, cfg, needs_filter
+):
     """Write right-padded prompts into the cache; sample each row's first new token."""
     h, cache = llama.forward(params, cfg, tokens_BxT, cache)
     last = jnp.take_along_axis(h, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
@@ -48,6 +50,12 @@ def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSamp
 @functools.lru_cache(maxsize=64)
 def ar_steps(cfg: ModelConfig, needs_filter: bool) -> tuple[Compiled, Compiled]:
     """The (prefill, decode) pair for a config; cached so repeated generate() calls reuse executables."""
-    pre = Compiled(functools.partial(prefill_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="prefill")
-    dec = Compiled(functools.partial(decode_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="decode")
+    pre = Compiled(
+        functools.partial(prefill_step, cfg=cfg, needs_filter=needs_filter),
+        donate_argnums=(1,),
+        name="prefill",
+    )
+    dec = Compiled(
+        functools.partial(decode_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="decode"
+    )
     return pre, dec

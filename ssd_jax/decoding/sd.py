@@ -63,7 +63,9 @@ def target_score(params, cache, cur_B, draft_BxK, *, cfg):
     return llama.logits(params, cfg, h), cache
 
 
-def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter, greedy=False):
+def accept_step(
+    key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter, greedy=False
+):
     """Rejection sampling + the per-row state update; returns what the host and next round need.
     ``greedy`` (static): every row is greedy, so only the argmax matching runs (the same outcome)."""
     if greedy:
@@ -74,7 +76,9 @@ def accept_step(key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B
     if draft_BxK.shape[1] == 0:  # a round with nothing proposed: one plain target step
         prev = cur_B
     else:
-        prev = jnp.where(n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B)
+        prev = jnp.where(
+            n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B
+        )
     new_len = lengths_B + 1 + n
     # two output buffers: the target's and the draft's caches are donated separately
     return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
@@ -100,8 +104,29 @@ def push_round(rows, live, emitted_h, n_acc_h, on_text, history=None) -> None:
                 break
 
 
-def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, key, rs, host_tokens_BxK, host_n_B, *,
-             cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False):
+def sd_round(
+    tparams,
+    tcache,
+    dparams,
+    dcache,
+    cur_B,
+    prev_B,
+    catch_up,
+    step,
+    key,
+    rs,
+    host_tokens_BxK,
+    host_n_B,
+    *,
+    cfg,
+    dcfg,
+    k,
+    vocab,
+    rand_vocab,
+    needs_filter,
+    kind,
+    greedy=False,
+):
     """One whole SD round in one compiled call: draft K tokens, verify, rejection-sample, advance.
 
     ``kind``: "model" (the draft model; its catch-up variant chosen on device by ``lax.cond``),
@@ -123,20 +148,36 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
     q = None
     n_draft = jnp.full((B,), k, jnp.int32)
     if kind == "model":
+
         def variant(c):
             def run(args):
-                return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c,
-                                     greedy=greedy)
+                return draft_propose(
+                    *args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c, greedy=greedy
+                )
+
             return run
 
-        tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs))
+        tokens, q, dcache = jax.lax.cond(
+            catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs)
+        )
     elif kind == "random":
         tokens = random_tokens(kd, B, k, rand_vocab)
     else:
         tokens, n_draft = host_tokens_BxK, host_n_B
     logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
-    emitted, n, new_len, _, prev, cur = accept_step(kverify, step, logits, tokens, n_draft, q, rs, tcache.lengths, cur_B,
-                                                    needs_filter=needs_filter, greedy=greedy)
+    emitted, n, new_len, _, prev, cur = accept_step(
+        kverify,
+        step,
+        logits,
+        tokens,
+        n_draft,
+        q,
+        rs,
+        tcache.lengths,
+        cur_B,
+        needs_filter=needs_filter,
+        greedy=greedy,
+    )
     tcache = tcache.with_lengths(new_len)
     if dcache is not None:
         dcache = dcache.with_lengths(new_len + 0)  # its own buffer: both caches are donated
@@ -146,8 +187,17 @@ def sd_round(tparams, tcache, dparams, dcache, cur_B, prev_B, catch_up, step, ke
 
 @functools.lru_cache(maxsize=64)
 def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False):
-    fn = functools.partial(sd_round, cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab,
-                           needs_filter=needs_filter, kind=kind, greedy=greedy)
+    fn = functools.partial(
+        sd_round,
+        cfg=cfg,
+        dcfg=dcfg,
+        k=k,
+        vocab=vocab,
+        rand_vocab=rand_vocab,
+        needs_filter=needs_filter,
+        kind=kind,
+        greedy=greedy,
+    )
     return runtime.Compiled(fn, donate_argnums=(1, 3), name="sd_round")
 
 
@@ -158,8 +208,9 @@ def sd_steps(cfg, needs_filter: bool):
     return score, acc
 
 
-def sd_draft_side(dparams, dcache, lengths_B, cur_B, prev_B, catch_up, step, key, rs, *, dcfg, k, vocab,
-                  needs_filter):
+def sd_draft_side(
+    dparams, dcache, lengths_B, cur_B, prev_B, catch_up, step, key, rs, *, dcfg, k, vocab, needs_filter
+):
     """Two meshes, draft side: roll the draft cache to the committed lengths, then K proposals (the
     draft half of :func:`sd_round`, same key)."""
     dcache = dcache.with_lengths(lengths_B)
@@ -168,9 +219,12 @@ def sd_draft_side(dparams, dcache, lengths_B, cur_B, prev_B, catch_up, step, key
     def variant(c):
         def run(args):
             return draft_propose(*args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c)
+
         return run
 
-    tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs))
+    tokens, q, dcache = jax.lax.cond(
+        catch_up, variant(True), variant(False), (dparams, dcache, prev_B, cur_B, kd, rs)
+    )
     return tokens, q, dcache, step + 1
 
 
@@ -182,18 +236,34 @@ def sd_target_side(tparams, tcache, cur_B, tokens_BxK, q, step, key, rs, *, cfg,
     B, K = tokens_BxK.shape
     n_draft = jnp.full((B,), K, jnp.int32)
     logits, tcache = target_score(tparams, tcache, cur_B, tokens_BxK, cfg=cfg)
-    emitted, n, new_len, _, prev, cur = accept_step(jax.random.fold_in(key, 2), step, logits, tokens_BxK, n_draft, q,
-                                                    rs, tcache.lengths, cur_B, needs_filter=needs_filter)
+    emitted, n, new_len, _, prev, cur = accept_step(
+        jax.random.fold_in(key, 2),
+        step,
+        logits,
+        tokens_BxK,
+        n_draft,
+        q,
+        rs,
+        tcache.lengths,
+        cur_B,
+        needs_filter=needs_filter,
+    )
     out = jnp.concatenate([emitted, n[:, None]], axis=1)
     return out, tcache.with_lengths(new_len), (cur, prev, jnp.any(n >= n_draft), new_len + 0), step + 1
 
 
 @functools.lru_cache(maxsize=32)
 def sd_two_mesh_programs(cfg, dcfg, k, vocab, needs_filter):
-    draft = runtime.Compiled(functools.partial(sd_draft_side, dcfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter),
-                             donate_argnums=(1,), name="sd_draft")
-    target = runtime.Compiled(functools.partial(sd_target_side, cfg=cfg, needs_filter=needs_filter),
-                              donate_argnums=(1,), name="sd_verify")
+    draft = runtime.Compiled(
+        functools.partial(sd_draft_side, dcfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter),
+        donate_argnums=(1,),
+        name="sd_draft",
+    )
+    target = runtime.Compiled(
+        functools.partial(sd_target_side, cfg=cfg, needs_filter=needs_filter),
+        donate_argnums=(1,),
+        name="sd_verify",
+    )
     return draft, target
 
 
@@ -201,12 +271,27 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
     from ssd_jax.drafters.model import ModelDrafter
 
     drafter = make_drafter(spec, model, sampling, load)
-    if isinstance(drafter, ModelDrafter) and (spec.target_devices is not None or spec.draft_devices is not None):
+    if isinstance(drafter, ModelDrafter) and (
+        spec.target_devices is not None or spec.draft_devices is not None
+    ):
         return _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter)
     # the draft's context window must hold the batch too
-    batch = Batch.build(model, prompts, ids, sampling, spec,
-                        also_fits=(drafter.model,) if isinstance(drafter, ModelDrafter) else ())
-    rows, B, K, tokens, n_valid, max_len = batch.rows, batch.size, spec.k, batch.tokens, batch.n_valid, batch.max_len
+    batch = Batch.build(
+        model,
+        prompts,
+        ids,
+        sampling,
+        spec,
+        also_fits=(drafter.model,) if isinstance(drafter, ModelDrafter) else (),
+    )
+    rows, B, K, tokens, n_valid, max_len = (
+        batch.rows,
+        batch.size,
+        spec.k,
+        batch.tokens,
+        batch.n_valid,
+        batch.max_len,
+    )
     put = functools.partial(_put, model)
     rs = jax.tree.map(put, RowSampling.broadcast(sampling, B))
     key = seed_key(sampling.seed, put)
@@ -232,11 +317,26 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         if getattr(drafter, "needs_history", False):  # host-drafted rounds with no proposal (host_width)
             z0 = put(np.zeros((B, 0), np.int32))
             compile_s += score.precompile(model.params, cache, zB, z0)
-            compile_s += acc.precompile(kverify, step0, put(np.zeros((B, 1, V), np.float32)), z0, zB, None, rs, zB, zB)
+            compile_s += acc.precompile(
+                kverify, step0, put(np.zeros((B, 1, V), np.float32)), z0, zB, None, rs, zB, zB
+            )
 
     if not spec.profile_stages:
-        return _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text,
-                               compile_s, put)
+        return _generate_fused(
+            model,
+            batch,
+            drafter,
+            sampling,
+            spec,
+            cache,
+            tokens_d,
+            n_valid_d,
+            key,
+            rs,
+            on_text,
+            compile_s,
+            put,
+        )
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
@@ -279,8 +379,13 @@ def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> Generatio
         push_round(rows, live, emitted_h, n_acc_h, on_text, history)
     wall = time.perf_counter() - t0
 
-    stages = {"draft_s": t_draft, "verify_s": t_verify, "sample_s": t_sample,
-              "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample), "rounds_without_proposals": empty}
+    stages = {
+        "draft_s": t_draft,
+        "verify_s": t_verify,
+        "sample_s": t_sample,
+        "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample),
+        "rounds_without_proposals": empty,
+    }
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
 
 
@@ -298,8 +403,9 @@ def _result(batch, stats, drafter, K, rounds, wall, ttft, compile_s, extra) -> G
     return GenerationResult(batch.outputs(stats.row_metrics), metrics, method="sd")
 
 
-def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text, compile_s,
-                    put) -> GenerationResult:
+def _generate_fused(
+    model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text, compile_s, put
+) -> GenerationResult:
     """The default SD loop: one compiled call per round (:func:`sd_round`). For on-device drafters
     round T+1 is queued before round T's tokens are read, so the host's EOS / stop checks and
     bookkeeping overlap the device's next round; the n-gram drafter needs round T's tokens for
@@ -319,17 +425,32 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     zK = {w: put(np.zeros((B, w), np.int32)) for w in widths}
     progs = {}
     for w in widths:  # host drafts: rounds where no row has a proposal run the 0-column program
-        progs[w] = sd_round_program(model.cfg, dcfg, w, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind,
-                                    greedy)
-        compile_s += progs[w].precompile(model.params, cache, dparams, drafter.cache if kind == "model" else None, zB,
-                                         zB, false, step1, key, rs, zK[w], zB)
+        progs[w] = sd_round_program(
+            model.cfg, dcfg, w, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind, greedy
+        )
+        compile_s += progs[w].precompile(
+            model.params,
+            cache,
+            dparams,
+            drafter.cache if kind == "model" else None,
+            zB,
+            zB,
+            false,
+            step1,
+            key,
+            rs,
+            zK[w],
+            zB,
+        )
 
     empty = [0]
 
     def host_round(tc, dc, cur_, prev_, catch_, step_, toks, n_h, k):
         w = host_width(n_h, live, k)
         empty[0] += w == 0
-        return progs[w](model.params, tc, dparams, dc, cur_, prev_, catch_, step_, key, rs, put(toks[:, :w]), put(n_h))
+        return progs[w](
+            model.params, tc, dparams, dc, cur_, prev_, catch_, step_, key, rs, put(toks[:, :w]), put(n_h)
+        )
 
     t0 = time.perf_counter()
     cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
@@ -337,7 +458,9 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
     dcache = drafter.cache if kind == "model" else None
     prev = put(batch.last_prompt_tokens())
     first = np.asarray(cur)
-    jax.block_until_ready(dcache)  # the draft's prefill ends before decode time starts (else round 1 absorbs it)
+    jax.block_until_ready(
+        dcache
+    )  # the draft's prefill ends before decode time starts (else round 1 absorbs it)
     ttft = time.perf_counter() - t0
     batch.push_first(first, on_text)
     history = batch.histories(first) if kind == "host" else None
@@ -365,8 +488,10 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
         step += 1
         emitted_d, _, tcache, dcache_o, cur_o, prev_o, catch_o, step_o = out
         if kind != "host" and dispatched < max_rounds:  # queue round T+1 before reading round T (its K
-            k1 = next_k()                              # then comes from rounds up to T-1)
-            nxt = progs[k1](model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK[k1], zB)
+            k1 = next_k()  # then comes from rounds up to T-1)
+            nxt = progs[k1](
+                model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK[k1], zB
+            )
             ks.append(k1)
             dispatched += 1
         else:
@@ -394,8 +519,16 @@ def _generate_fused(model, batch, drafter, sampling, spec, cache, tokens_d, n_va
         jax.block_until_ready(nxt[0])  # don't leave a round running into the next call's timing
 
     # one call per round: stage times need profile_stages=True (--profile-stages)
-    stages = {"draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None, "round_s": wall - ttft,
-              "calls_per_round": 1, "rounds_without_proposals": empty[0], **(sched.metrics() if sched else {})}
+    stages = {
+        "draft_s": None,
+        "verify_s": None,
+        "sample_s": None,
+        "overhead_s": None,
+        "round_s": wall - ttft,
+        "calls_per_round": 1,
+        "rounds_without_proposals": empty[0],
+        **(sched.metrics() if sched else {}),
+    }
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
 
 
@@ -411,7 +544,14 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     draft = drafter.model
     check_same_tokenizer(model, draft)
     batch = Batch.build(model, prompts, ids, sampling, spec, also_fits=(draft,))
-    rows, B, K, tokens, n_valid, max_len = batch.rows, batch.size, spec.k, batch.tokens, batch.n_valid, batch.max_len
+    rows, B, K, tokens, n_valid, max_len = (
+        batch.rows,
+        batch.size,
+        spec.k,
+        batch.tokens,
+        batch.n_valid,
+        batch.max_len,
+    )
     pl = place(model, draft, spec)
     target, draft = pl.target, pl.draft
     tput, dput = pl.put_target, pl.put_draft
@@ -419,7 +559,9 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     rs_t, rs_d = jax.tree.map(tput, rs_host), jax.tree.map(dput, rs_host)
     key_t, key_d = seed_key(sampling.seed, tput), seed_key(sampling.seed, dput)
     prefill, _ = runtime.ar_steps(target.cfg, sampling.needs_filter)
-    dpre = runtime.Compiled(functools.partial(draft_prefill, cfg=draft.cfg), donate_argnums=(1,), name="draft_prefill")
+    dpre = runtime.Compiled(
+        functools.partial(draft_prefill, cfg=draft.cfg), donate_argnums=(1,), name="draft_prefill"
+    )
     dprog, tprog = sd_two_mesh_programs(target.cfg, draft.cfg, K, model.cfg.vocab_size, sampling.needs_filter)
 
     # --- compile everything up front
@@ -431,15 +573,20 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     compile_s += dprog.precompile(draft.params, dcache, zB_d, zB_d, zB_d, false_d, one_d, key_d, rs_d)
     zB_t, one_t = tput(np.zeros(B, np.int32)), tput(np.int32(1))
     q0 = tput(np.zeros((B, K, model.cfg.vocab_size), np.float32))
-    compile_s += tprog.precompile(target.params, tcache, zB_t, tput(np.zeros((B, K), np.int32)), q0, one_t, key_t,
-                                  rs_t)
+    compile_s += tprog.precompile(
+        target.params, tcache, zB_t, tput(np.zeros((B, K), np.int32)), q0, one_t, key_t, rs_t
+    )
     if pl.bridge is not None:  # the moves between processes are collectives: compile them now
         a = time.perf_counter()
         zK_d = dput(np.zeros((B, K), np.int32))
         outcome0 = (zB_t, zB_t, tput(np.bool_(False)), zB_t)
-        jax.block_until_ready([pl.to_draft(zB_t), pl.to_target((zK_d, dput(np.zeros((B, K, model.cfg.vocab_size),
-                                                                                     np.float32)))),
-                               pl.to_draft((outcome0, tput(np.zeros((B, K + 2), np.int32))))])
+        jax.block_until_ready(
+            [
+                pl.to_draft(zB_t),
+                pl.to_target((zK_d, dput(np.zeros((B, K, model.cfg.vocab_size), np.float32)))),
+                pl.to_draft((outcome0, tput(np.zeros((B, K + 2), np.int32)))),
+            ]
+        )
         compile_s += time.perf_counter() - a
 
     t0 = time.perf_counter()
@@ -452,15 +599,24 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     batch.push_first(first, on_text)
     # the draft side's state: committed lengths (the prompts, written by its prefill), cur, prev, catch-up
     dstate = (dput(n_valid), cur_d, dput(batch.last_prompt_tokens()), false_d)
-    st = {"tcache": tcache, "dcache": dcache, "cur_t": cur_t, "dstate": dstate, "step_t": one_t, "step_d": one_d}
+    st = {
+        "tcache": tcache,
+        "dcache": dcache,
+        "cur_t": cur_t,
+        "dstate": dstate,
+        "step_t": one_t,
+        "step_d": one_d,
+    }
 
     def dispatch():
         lengths, cur_d, prev_d, catch_d = st["dstate"]
-        toks, q, st["dcache"], st["step_d"] = dprog(draft.params, st["dcache"], lengths, cur_d, prev_d, catch_d,
-                                                    st["step_d"], key_d, rs_d)
+        toks, q, st["dcache"], st["step_d"] = dprog(
+            draft.params, st["dcache"], lengths, cur_d, prev_d, catch_d, st["step_d"], key_d, rs_d
+        )
         (toks_t, q_t), _ = pl.to_target((toks, q))
-        out, st["tcache"], outcome, st["step_t"] = tprog(target.params, st["tcache"], st["cur_t"], toks_t, q_t,
-                                                          st["step_t"], key_t, rs_t)
+        out, st["tcache"], outcome, st["step_t"] = tprog(
+            target.params, st["tcache"], st["cur_t"], toks_t, q_t, st["step_t"], key_t, rs_t
+        )
         st["cur_t"] = outcome[0]
         ((cur, prev, catch, lengths), _), (_, out_all) = pl.to_draft((outcome, out))
         st["dstate"] = (lengths, cur, prev, catch)
@@ -486,10 +642,21 @@ def _generate_two_meshes(model, prompts, ids, sampling, spec, on_text, drafter) 
     if nxt is not None:
         jax.block_until_ready(nxt)  # don't leave a round running into the next call's timing
 
-    stages = {"draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None, "round_s": wall - ttft,
-              "calls_per_round": 2, "rounds_without_proposals": 0,
-              "devices": {"single_device": False, "target": len(pl.target_devices), "draft": len(pl.draft_devices),
-                          "processes": jax.process_count(),
-                          "target_processes": sorted({d.process_index for d in pl.target_devices}),
-                          "draft_processes": sorted({d.process_index for d in pl.draft_devices})}}
+    stages = {
+        "draft_s": None,
+        "verify_s": None,
+        "sample_s": None,
+        "overhead_s": None,
+        "round_s": wall - ttft,
+        "calls_per_round": 2,
+        "rounds_without_proposals": 0,
+        "devices": {
+            "single_device": False,
+            "target": len(pl.target_devices),
+            "draft": len(pl.draft_devices),
+            "processes": jax.process_count(),
+            "target_processes": sorted({d.process_index for d in pl.target_devices}),
+            "draft_processes": sorted({d.process_index for d in pl.draft_devices}),
+        },
+    }
     return _result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)

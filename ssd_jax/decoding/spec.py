@@ -83,7 +83,9 @@ class SpecConfig:
             if self.k < 1:
                 raise UserError(f"k must be >= 1, got {self.k}")
         if self.k_plan is not None and not callable(getattr(self.k_plan, "choose", None)):
-            raise UserError(f"k_plan must be a KPlan (ssd_jax.analysis.kchoice), got {type(self.k_plan).__name__}")
+            raise UserError(
+                f"k_plan must be a KPlan (ssd_jax.analysis.kchoice), got {type(self.k_plan).__name__}"
+            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UserError(
                 f"need 1 <= prompt-lookup-min <= prompt-lookup-max, got {self.prompt_lookup_min} and "
@@ -94,18 +96,24 @@ class SpecConfig:
             if self.method == "ar":
                 raise UserError("--draft-dtype sets the draft model's weights; method ar has no draft")
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
-                raise UserError(f"--draft-dtype sets a draft model's weights; the {self.draft} drafter has none")
+                raise UserError(
+                    f"--draft-dtype sets a draft model's weights; the {self.draft} drafter has none"
+                )
         if self.draft_vocab is not None:
             if self.method == "ar":
                 raise UserError("--draft-vocab trims the draft model's head; method ar has no draft")
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
-                raise UserError(f"--draft-vocab trims a draft model's head; the {self.draft} drafter has none")
+                raise UserError(
+                    f"--draft-vocab trims a draft model's head; the {self.draft} drafter has none"
+                )
         if self.method != "ar" and self.draft is None:
             raise UserError(f"method {self.method} needs a draft (--draft NAME_OR_PATH|ngram|random)")
         if self.method == "ssd":
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
-                raise UserError("method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as "
-                                "--backup")
+                raise UserError(
+                    "method ssd needs a draft model (--draft NAME_OR_PATH); ngram and random serve as "
+                    "--backup"
+                )
             if self.fan_out != "geometric" and self.fan_out_budget is not None:
                 f = int(self.fan_out)
                 if self.k == "auto":
@@ -129,9 +137,13 @@ class SpecConfig:
                 raise UserError(f"fan-out must be >= 1, got {f}")
         dv = self.draft_vocab
         if dv is not None and (isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 1):
-            raise UserError(f"draft-vocab must be a positive integer (tokens kept in the draft's head), got {dv!r}")
+            raise UserError(
+                f"draft-vocab must be a positive integer (tokens kept in the draft's head), got {dv!r}"
+            )
         if self.draft_dtype not in (None, *DRAFT_DTYPES):
-            raise UserError(f"unknown draft dtype {self.draft_dtype!r} (choose from {', '.join(DRAFT_DTYPES)})")
+            raise UserError(
+                f"unknown draft dtype {self.draft_dtype!r} (choose from {', '.join(DRAFT_DTYPES)})"
+            )
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan

@@ -31,7 +31,9 @@ class AcceptanceStats:
     def n_rounds(self) -> int:
         return len(self._rounds)
 
-    def update(self, live: np.ndarray, n_acc: np.ndarray, n_draft: np.ndarray, hit: np.ndarray | None = None) -> None:
+    def update(
+        self, live: np.ndarray, n_acc: np.ndarray, n_draft: np.ndarray, hit: np.ndarray | None = None
+    ) -> None:
         """One verify round; only rows still generating (``live``) count.
 
         ``hit`` (SSD): per row, the verified speculation came from the speculation cache.
@@ -65,6 +67,8 @@ class AcceptanceStats:
         return {
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": (accepted + rounds) / rounds if rounds else 0.0,
-            "per_position_acceptance": [float(a / r) if r else 0.0 for a, r in zip(self.pos_accepted, self.pos_reached)],
+            "per_position_acceptance": [
+                float(a / r) if r else 0.0 for a, r in zip(self.pos_accepted, self.pos_reached)
+            ],
             "acceptance_histogram": self.hist.tolist(),
         }

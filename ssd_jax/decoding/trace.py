@@ -158,8 +158,9 @@ class Timeline:
 
     # -- recording ---------------------------------------------------------------------
 
-    def record(self, name: str, lane: str, outputs, *, round: int, dispatch: float | None = None,
-               **args) -> None:
+    def record(
+        self, name: str, lane: str, outputs, *, round: int, dispatch: float | None = None, **args
+    ) -> None:
         """Record device work just dispatched on ``lane`` whose results are ``outputs``.
 
         ``outputs`` is any pytree (usually what the jitted call returned); its end is
@@ -171,28 +172,32 @@ class Timeline:
         t = time.perf_counter() if dispatch is None else float(dispatch)
         if self._closed:
             raise RuntimeError("Timeline.record after close()")
-        ev = dict(name=name, lane=lane, round=int(round), start=None, end=None, dispatch=t,
-                  args=dict(args))
+        ev = dict(name=name, lane=lane, round=int(round), start=None, end=None, dispatch=t, args=dict(args))
         with self._lock:
             self._events.append(ev)
             q = self._queues.get(lane)
             if q is None:
                 q = self._queues[lane] = queue.Queue()
-                th = threading.Thread(target=self._waiter, args=(q,), daemon=True,
-                                      name=f"ssd-trace[{lane}]")
+                th = threading.Thread(target=self._waiter, args=(q,), daemon=True, name=f"ssd-trace[{lane}]")
                 self._threads[lane] = th
                 th.start()
         q.put((ev, outputs))
 
-    def mark(self, name: str, lane: str = "host", *, round: int, start: float, end: float,
-             **args) -> None:
+    def mark(self, name: str, lane: str = "host", *, round: int, start: float, end: float, **args) -> None:
         """Record a span measured by the caller (``perf_counter`` seconds), e.g. host work."""
         if not self.enabled:
             return
         if end < start:
             raise ValueError(f"mark {name!r}: end {end} is before start {start}")
-        ev = dict(name=name, lane=lane, round=int(round), start=float(start), end=float(end),
-                  dispatch=float(start), args=dict(args))
+        ev = dict(
+            name=name,
+            lane=lane,
+            round=int(round),
+            start=float(start),
+            end=float(end),
+            dispatch=float(start),
+            args=dict(args),
+        )
         with self._lock:
             self._events.append(ev)
 
@@ -331,20 +336,30 @@ class Timeline:
         for e in evs:
             tids.setdefault(e["lane"], len(tids))
         trace: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "ssd_jax"}}]
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "ssd_jax"}}
+        ]
         for lane, tid in tids.items():
             trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": lane}})
-            trace.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid,
-                          "args": {"sort_index": tid}})
+            trace.append(
+                {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}}
+            )
         for e in evs:
-            trace.append({
-                "name": e["name"], "cat": e["lane"], "ph": "X", "pid": 0, "tid": tids[e["lane"]],
-                "ts": (e["start"] - t0) * 1e6, "dur": (e["end"] - e["start"]) * 1e6,
-                "args": {"round": e["round"], **e["args"]},
-            })
+            trace.append(
+                {
+                    "name": e["name"],
+                    "cat": e["lane"],
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": tids[e["lane"]],
+                    "ts": (e["start"] - t0) * 1e6,
+                    "dur": (e["end"] - e["start"]) * 1e6,
+                    "args": {"round": e["round"], **e["args"]},
+                }
+            )
         path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path))
+        )
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f, default=str)

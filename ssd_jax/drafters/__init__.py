@@ -59,4 +59,3 @@ def make_drafter(spec, target, sampling, load) -> Any:
     model = load(d) if isinstance(d, str) else d
     check_same_tokenizer(target, model)
     return ModelDrafter(model, spec.k, target.cfg.vocab_size, sampling.needs_filter)
-

@@ -1,5 +1,4 @@
-"""What every drafter returns, and the checks shared by draft models.
-"""
+"""What every drafter returns, and the checks shared by draft models."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ class Proposal:
     hit: jax.Array | None = None  # SSD: (B,) bool, the speculation came from the speculation cache
 
 
-
 def align_vocab(logits_BxV: jax.Array, vocab: int) -> jax.Array:
     """Pad (with -inf) or cut draft logits to the target's vocabulary size.
 
@@ -36,7 +34,6 @@ def align_vocab(logits_BxV: jax.Array, vocab: int) -> jax.Array:
     return jnp.concatenate([logits_BxV, pad], axis=-1)
 
 
-
 def check_same_tokenizer(target, draft) -> None:
     from ssd_jax.errors import UserError
 
@@ -49,4 +46,3 @@ def check_same_tokenizer(target, draft) -> None:
             )
     elif (tt is None) != (dt is None) or abs(target.cfg.vocab_size - draft.cfg.vocab_size) > 1024:
         raise UserError(f"cannot check that draft {draft.name} and target {target.name} share a tokenizer")
-

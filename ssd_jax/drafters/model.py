@@ -24,7 +24,6 @@ def draft_prefill(params, cache, tokens_BxT, n_valid_B, *, cfg):
     return cache.with_lengths(cache.lengths + n_valid_B)
 
 
-
 def draft_loop(params, cache, prev_B, cur_B, keys, draw, *, cfg, vocab, catch_up):
     """``len(keys)`` autoregressive draft steps after ``cur`` in one program (``lax.scan``): the one
     K-step draft loop, used by SD's drafter and SSD's neural backup.
@@ -38,7 +37,9 @@ def draft_loop(params, cache, prev_B, cur_B, keys, draw, *, cfg, vocab, catch_up
     """
     start = cache.lengths
     if catch_up:
-        h, cache = llama.forward(params, cfg, jnp.stack([prev_B, cur_B], axis=1), cache.with_lengths(start - 1))
+        h, cache = llama.forward(
+            params, cfg, jnp.stack([prev_B, cur_B], axis=1), cache.with_lengths(start - 1)
+        )
         h_last = h[:, 1]
     else:
         h, cache = llama.forward(params, cfg, cur_B[:, None], cache)
@@ -63,19 +64,21 @@ def draft_loop(params, cache, prev_B, cur_B, keys, draw, *, cfg, vocab, catch_up
     return tokens, q, cache
 
 
-
-def draft_propose(params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up,
-                  greedy=False):
+def draft_propose(
+    params, cache, prev_B, cur_B, key, rs: RowSampling, *, cfg, k, vocab, needs_filter, catch_up, greedy=False
+):
     """SD's K draft tokens after ``cur``, sampled from the draft's filtered distribution (see :func:`draft_loop`).
     ``key``: one key, or a (B,) batch of row keys. ``greedy`` (static; every row at temperature 0):
     the argmax, with no distribution (q is None) and no random draws."""
+
     def draw(key, lg, d):
         if greedy:
             return jnp.argmax(lg, axis=-1).astype(jnp.int32), None
         return sample(key, lg, rs, needs_filter), filter_logprobs(lg, rs, needs_filter)
 
-    return draft_loop(params, cache, prev_B, cur_B, split(key, k), draw, cfg=cfg, vocab=vocab, catch_up=catch_up)
-
+    return draft_loop(
+        params, cache, prev_B, cur_B, split(key, k), draw, cfg=cfg, vocab=vocab, catch_up=catch_up
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,14 +86,15 @@ def _draft_steps(cfg, k, vocab, needs_filter):
     pre = Compiled(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill")
     prop = {
         c: Compiled(
-            functools.partial(draft_propose, cfg=cfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c),
+            functools.partial(
+                draft_propose, cfg=cfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c
+            ),
             donate_argnums=(1,),
             name=f"draft_propose{'_catch_up' if c else ''}",
         )
         for c in (False, True)
     }
     return pre, prop
-
 
 
 class ModelDrafter:
@@ -126,7 +130,9 @@ class ModelDrafter:
         del self._prefill_args
 
     def precompile(self, prev, cur, key, rs) -> float:
-        return sum(p.precompile(self.model.params, self.cache, prev, cur, key, rs) for p in self._prop.values())
+        return sum(
+            p.precompile(self.model.params, self.cache, prev, cur, key, rs) for p in self._prop.values()
+        )
 
     def propose(self, prev_B, cur_B, key, rs, history=None) -> Proposal:
         prop = self._prop[self._catch_up]
@@ -140,4 +146,3 @@ class ModelDrafter:
         """
         self.cache = self.cache.with_lengths(lengths_B)
         self._catch_up = all_accepted
-

@@ -27,7 +27,6 @@ def ngram_lookup(history: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
     return history[:0]
 
 
-
 def ngram_proposals(histories: list[np.ndarray], k: int, n_min: int, n_max: int, rows=None):
     """(tokens (B, k) int32, counts (B,) int32): the lookup for each row in ``rows`` (default all);
     other rows and unmatched ones propose nothing. The one n-gram proposer (SD's drafter, SSD's
@@ -69,4 +68,3 @@ class NgramDrafter:
 
     def commit(self, lengths_B, all_accepted: bool = True) -> None:
         pass
-

@@ -1,5 +1,4 @@
-"""Uniform random proposals (the SSD paper's fast backup; acceptance about 0); point masses.
-"""
+"""Uniform random proposals (the SSD paper's fast backup; acceptance about 0); point masses."""
 
 from __future__ import annotations
 
@@ -40,4 +39,3 @@ class RandomDrafter:
 
     def commit(self, lengths_B, all_accepted: bool = True) -> None:
         pass
-

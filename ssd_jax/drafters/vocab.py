@@ -83,9 +83,13 @@ def kept_ids(counts: np.ndarray, n: int, always: Sequence[int] = ()) -> np.ndarr
     vocab = counts.shape[0]
     always = sorted({int(i) for i in always if 0 <= int(i) < vocab})
     if not 1 <= n <= vocab:
-        raise UserError(f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}")
+        raise UserError(
+            f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}"
+        )
     if n < len(always):
-        raise UserError(f"--draft-vocab {n} is smaller than the {len(always)} special tokens every trimmed head keeps")
+        raise UserError(
+            f"--draft-vocab {n} is smaller than the {len(always)} special tokens every trimmed head keeps"
+        )
     ids = np.arange(vocab)
     order = np.lexsort((ids, -counts))  # by count descending, then id ascending
     rest = order[~np.isin(order, always)][: n - len(always)]
@@ -94,9 +98,14 @@ def kept_ids(counts: np.ndarray, n: int, always: Sequence[int] = ()) -> np.ndarr
 
 # --- the counts file --------------------------------------------------------------------------
 def _meta(tokenizer, vocab: int, **extra) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "vocab": vocab,
-            "tokenizer_sha256": tokenizer.fingerprint() if tokenizer is not None else None, "corpus": CORPUS_TAG,
-            **extra}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "vocab": vocab,
+        "tokenizer_sha256": tokenizer.fingerprint() if tokenizer is not None else None,
+        "corpus": CORPUS_TAG,
+        **extra,
+    }
 
 
 def read_counts(path: str | os.PathLike, tokenizer, vocab: int) -> np.ndarray | None:
@@ -107,7 +116,9 @@ def read_counts(path: str | os.PathLike, tokenizer, vocab: int) -> np.ndarray | 
     except (OSError, ValueError, KeyError):
         return None
     want = _meta(tokenizer, vocab)
-    if any(meta.get(k) != want[k] for k in ("format", "format_version", "vocab", "tokenizer_sha256", "corpus")):
+    if any(
+        meta.get(k) != want[k] for k in ("format", "format_version", "vocab", "tokenizer_sha256", "corpus")
+    ):
         return None
     return counts if counts.shape == (vocab,) else None
 
@@ -130,8 +141,11 @@ def write_counts(path: str | os.PathLike, counts: np.ndarray, meta: dict[str, An
                 for name, a in arrays.items():
                     buf = io.BytesIO()
                     np.lib.format.write_array(buf, a, allow_pickle=False)
-                    z.writestr(zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)), buf.getvalue(),
-                               compress_type=zipfile.ZIP_DEFLATED)
+                    z.writestr(
+                        zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)),
+                        buf.getvalue(),
+                        compress_type=zipfile.ZIP_DEFLATED,
+                    )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -150,11 +164,15 @@ def counts_path(source: Any, tokenizer) -> Path:
     return cache_root() / "vocab" / f"{tokenizer.fingerprint()[:16]}-{CORPUS_TAG}.npz"
 
 
-def draft_token_counts(model, source: Any = None, texts_fn: Callable[[], list[str]] = corpus_texts) -> np.ndarray:
+def draft_token_counts(
+    model, source: Any = None, texts_fn: Callable[[], list[str]] = corpus_texts
+) -> np.ndarray:
     """Token counts for ``model``'s vocabulary: read from its stored file, else counted and stored."""
     tok, vocab = model.tokenizer, model.cfg.vocab_size
     if tok is None:
-        raise UserError(f"draft {model.name} has no tokenizer: cannot count token frequencies for --draft-vocab")
+        raise UserError(
+            f"draft {model.name} has no tokenizer: cannot count token frequencies for --draft-vocab"
+        )
     path = counts_path(source, tok)
     counts = read_counts(path, tok, vocab)
     if counts is None:
@@ -242,7 +260,9 @@ def trimmed_draft(draft: Any, n: int, load: Callable[[str], Any]):
     model = load(draft) if isinstance(draft, str) else draft
     vocab = model.cfg.vocab_size
     if not 1 <= n <= vocab:
-        raise UserError(f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}")
+        raise UserError(
+            f"--draft-vocab must be between 1 and the draft's vocabulary of {vocab} tokens, got {n}"
+        )
     if n == vocab:  # every token kept: the full head is the trimmed head
         return full_head(model)
     if isinstance(draft, str):  # loaded afresh: nothing to reuse

@@ -215,7 +215,9 @@ def _abstract_trained(cfg: ModelConfig, shared: list[str]) -> dict[str, Any]:
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     specs = param_specs(cfg)
-    flat = {n: jax.ShapeDtypeStruct(specs[n][0], np.float32, sharding=dev) for n in trained_names(cfg, shared)}
+    flat = {
+        n: jax.ShapeDtypeStruct(specs[n][0], np.float32, sharding=dev) for n in trained_names(cfg, shared)
+    }
     return nest_trained(cfg, flat)
 
 
@@ -238,7 +240,9 @@ def _restore_trained(path: Path, cfg: ModelConfig, shared: list[str]) -> tuple[d
         try:
             return restore_params(path / PARAMS_DIR, abstract), str(path / PARAMS_DIR)
         except Exception as e:  # orbax raises many types for damaged files
-            raise _bad(path, f"cannot restore {PARAMS_DIR}/: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+            raise _bad(
+                path, f"cannot restore {PARAMS_DIR}/: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            ) from None
     steps = complete_steps(path / STATE_DIR)
     if not steps:
         raise _bad(path, f"no {PARAMS_DIR}/, no {BEST_DIR}/ and no complete step in {STATE_DIR}/")
@@ -270,7 +274,9 @@ def _target_source(meta: dict[str, Any]) -> str:
 
 
 def open_draft(
-    path: str | os.PathLike, dtype: str, open_target: Callable[[str, str], tuple[Any, Iterator[tuple[str, np.ndarray]]]]
+    path: str | os.PathLike,
+    dtype: str,
+    open_target: Callable[[str, str], tuple[Any, Iterator[tuple[str, np.ndarray]]]],
 ):
     """Resolve a draft directory: ``(NumpyModel with an empty flat, iterator of (name, array))``.
 
@@ -304,11 +310,15 @@ def open_draft(
         if name in shared:
             got[name] = arr
     if sorted(got) != sorted(shared):
-        raise UserError(f"target {target_name} lacks the draft's shared tensors {sorted(set(shared) - set(got))}")
+        raise UserError(
+            f"target {target_name} lacks the draft's shared tensors {sorted(set(shared) - set(got))}"
+        )
     specs = param_specs(cfg)
     for name, arr in got.items():
         if tuple(arr.shape) != tuple(specs[name][0]):
-            raise UserError(f"target {target_name}: {name} has shape {arr.shape}, the draft needs {specs[name][0]}")
+            raise UserError(
+                f"target {target_name}: {name} has shape {arr.shape}, the draft needs {specs[name][0]}"
+            )
     if dtype == "float32" and meta["shared"].get("sha256") and shared_sha256(got) != meta["shared"]["sha256"]:
         raise UserError(
             f"draft {path}: the shared tensors of target {target_name} differ from the ones it was trained with "

@@ -21,7 +21,11 @@ from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import from_checkpoint
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_TOP_MAP = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm", "lm_head.weight": "lm_head"}
+_TOP_MAP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head",
+}
 _LAYER_MAP = {
     "input_layernorm.weight": "attn_norm",
     "post_attention_layernorm.weight": "mlp_norm",

@@ -6,7 +6,8 @@ builds a :class:`NumpyModel` without importing the package face that imports it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import dataclasses
 import weakref
@@ -40,7 +41,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     weights_sha256: str
     source: str
-    mesh: Any = None  # a jax.sharding.Mesh once placed on one (tensor parallel / SSD meshes); None = one device
+    mesh: Any = (
+        None  # a jax.sharding.Mesh once placed on one (tensor parallel / SSD meshes); None = one device
+    )
 
 
 #: (id(model), tag) -> (a weak reference to model, a model derived from it); an entry goes when
@@ -71,5 +74,12 @@ def with_weight_dtype(model: LoadedModel, dtype: str) -> LoadedModel:
     want = None if dtype == model.cfg.dtype else dtype
     if model.cfg.weight_dtype == want:
         return model
-    return derived(model, f"dtype:{dtype}", lambda: dataclasses.replace(
-        model, cfg=model.cfg.replace(weight_dtype=want), params=cast_matrices(model.cfg, model.params, jnp.dtype(dtype))))
+    return derived(
+        model,
+        f"dtype:{dtype}",
+        lambda: dataclasses.replace(
+            model,
+            cfg=model.cfg.replace(weight_dtype=want),
+            params=cast_matrices(model.cfg, model.params, jnp.dtype(dtype)),
+        ),
+    )

@@ -107,7 +107,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, form: F.Form = F.CHECKPOINT_FORM, out_dim: int | None = None) -> jax.Array:
+def matmul(
+    x: jax.Array, w: jax.Array, form: F.Form = F.CHECKPOINT_FORM, out_dim: int | None = None
+) -> jax.Array:
     """``x @ W.T`` for a weight W declared (out, in) and stored as ``form`` says (``ssd_jax.models.forms``).
 
     ``out_dim`` flattens a stored multi-axis weight (e.g. wq (H, hd, D)) to 2-D first: free reshapes.
@@ -182,8 +184,18 @@ def forward(
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-        a, kc, vc = _attention(layer, cfg, h, positions_BxT, slots_BxT, mask_BxTxS, cache.k[i], cache.v[i], inv_freq,
-                               cache.window)
+        a, kc, vc = _attention(
+            layer,
+            cfg,
+            h,
+            positions_BxT,
+            slots_BxT,
+            mask_BxTxS,
+            cache.k[i],
+            cache.v[i],
+            inv_freq,
+            cache.window,
+        )
         new_k.append(kc)
         new_v.append(vc)
         x = x + a

@@ -41,8 +41,16 @@ EMBED, VOCAB, HEADS, KV_HEADS, HEAD_DIM, MLP = "embed", "vocab", "heads", "kv_he
 
 
 #: matrix name (last part of the flat name) -> (forms role, number of leading "out" axes in (out, in) layout)
-MATRICES = {"wq": ("q", 2), "wk": ("k", 2), "wv": ("v", 2), "wo": ("o", 1),
-            "w_gate": ("gate", 1), "w_up": ("up", 1), "w_down": ("down", 1), "lm_head": ("head", 1)}
+MATRICES = {
+    "wq": ("q", 2),
+    "wk": ("k", 2),
+    "wv": ("v", 2),
+    "wo": ("o", 1),
+    "w_gate": ("gate", 1),
+    "w_up": ("up", 1),
+    "w_down": ("down", 1),
+    "lm_head": ("head", 1),
+}
 
 
 def matrix_role(cfg: ModelConfig, name: str) -> tuple[str, int] | None:
@@ -121,7 +129,11 @@ def from_checkpoint(cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
     result is in the checkpoint layout whatever ``cfg.forms`` says (see :func:`to_layout`).
     """
     cfg = cfg.replace(forms=CANONICAL)
-    shape = param_specs(cfg)[name][0] if not name.startswith("layers.") else layer_specs(cfg)[name.split(".")[-1]][0]
+    shape = (
+        param_specs(cfg)[name][0]
+        if not name.startswith("layers.")
+        else layer_specs(cfg)[name.split(".")[-1]][0]
+    )
     if w.size != int(np.prod(shape)):
         raise ValueError(f"tensor for {name} has {w.size} elements ({w.shape}), expected shape {shape}")
     return w.reshape(shape)

@@ -75,8 +75,12 @@ def initialize() -> None:
         global _CLIENT
         _CLIENT = jd.global_state.client
         atexit.register(_STOPPING.set)  # runs before JAX's own shutdown (registered earlier)
-        threading.Thread(target=_watchdog, args=(_CLIENT, jax.process_count(), heartbeat),
-                         daemon=True, name="ssd-jax-peer-watchdog").start()
+        threading.Thread(
+            target=_watchdog,
+            args=(_CLIENT, jax.process_count(), heartbeat),
+            daemon=True,
+            name="ssd-jax-peer-watchdog",
+        ).start()
 
 
 def _can_watch() -> bool:
@@ -88,8 +92,11 @@ def _can_watch() -> bool:
         from jax._src.lib import _jax
     except ImportError:
         return False
-    return ("jax_enable_recoverability" in jax.config.values and hasattr(jd, "global_state")
-            and hasattr(getattr(_jax, "DistributedRuntimeClient", None), "get_live_nodes"))
+    return (
+        "jax_enable_recoverability" in jax.config.values
+        and hasattr(jd, "global_state")
+        and hasattr(getattr(_jax, "DistributedRuntimeClient", None), "get_live_nodes")
+    )
 
 
 _STOPPING = threading.Event()  # normal exit: peers leaving is expected now
@@ -109,8 +116,10 @@ def _watchdog(client, n: int, heartbeat: int) -> None:
         if missing:
             _STOPPING.wait(2.0)  # a peer that passed finish() may leave just before we set the flag
         if missing and not _STOPPING.is_set():
-            fail_fast(f"process(es) {', '.join(map(str, missing))} stopped responding (no heartbeat for "
-                      f"{heartbeat} s); stopping")
+            fail_fast(
+                f"process(es) {', '.join(map(str, missing))} stopped responding (no heartbeat for "
+                f"{heartbeat} s); stopping"
+            )
         time.sleep(1.0)
 
 
@@ -178,9 +187,12 @@ class Bridge:
     def _stack(self, x, src: str):
         src_ids = {d.id for d in self.meshes[src].devices.flat}
         mine = {s.device.id: s.data for s in x.addressable_shards}
-        pieces = [mine[d.id][None] if d.id in src_ids else self._zero(x.shape, x.dtype, d) for d in self._local]
-        return jax.make_array_from_single_device_arrays((len(self.union.devices.flat), *x.shape), self._stacked,
-                                                        pieces, dtype=x.dtype)
+        pieces = [
+            mine[d.id][None] if d.id in src_ids else self._zero(x.shape, x.dtype, d) for d in self._local
+        ]
+        return jax.make_array_from_single_device_arrays(
+            (len(self.union.devices.flat), *x.shape), self._stacked, pieces, dtype=x.dtype
+        )
 
     def move(self, tree, to: str):
         src = "draft" if to == "target" else "target"
@@ -193,9 +205,12 @@ class Bridge:
         out = prog(stacked)
         dst = NamedSharding(self.meshes[to], PartitionSpec())
         dst_ids = {d.id for d in self.meshes[to].devices.flat}
-        moved = [jax.make_array_from_single_device_arrays(
-            x.shape, dst, [s.data for s in y.addressable_shards if s.device.id in dst_ids], dtype=x.dtype)
-            for x, y in zip(leaves, out)]
+        moved = [
+            jax.make_array_from_single_device_arrays(
+                x.shape, dst, [s.data for s in y.addressable_shards if s.device.id in dst_ids], dtype=x.dtype
+            )
+            for x, y in zip(leaves, out)
+        ]
         return jax.tree.unflatten(treedef, moved), jax.tree.unflatten(treedef, out)
 
 

@@ -33,7 +33,6 @@ def cache_for(model, batch: int, max_len: int) -> llama.KVCache:
     return cache
 
 
-
 def put_on(model, x):
     """Place a small host array where the model lives (replicated over its mesh)."""
     mesh = model.mesh
@@ -42,7 +41,6 @@ def put_on(model, x):
     from ssd_jax.parallel.sharding import replicated
 
     return jax.device_put(local_copy(x), replicated(mesh))
-
 
 
 @dataclasses.dataclass
@@ -80,7 +78,6 @@ class Placement:
         return host_value(x)
 
 
-
 def place(target, draft, spec) -> Placement:
     """Put the target on its (tensor-parallel) mesh and the draft on a disjoint mesh.
 
@@ -98,9 +95,9 @@ def place(target, draft, spec) -> Placement:
     tmesh, dmesh = make_mesh(tdevs), make_mesh(ddevs)
     t = dataclasses.replace(target, params=shard_params(target.cfg, target.params, tmesh), mesh=tmesh)
     rep = replicated(dmesh)
-    d = dataclasses.replace(draft, params=jax.tree.map(lambda x: jax.device_put(local_copy(x), rep), draft.params),
-                            mesh=dmesh)
+    d = dataclasses.replace(
+        draft, params=jax.tree.map(lambda x: jax.device_put(local_copy(x), rep), draft.params), mesh=dmesh
+    )
     pl = Placement(t, d, list(tdevs), list(ddevs), False, Bridge(tmesh, dmesh) if multi_process() else None)
     pl._t_rep, pl._d_rep = replicated(tmesh), rep
     return pl
-

@@ -63,7 +63,9 @@ def split_devices(target_devices: int | None, draft_devices: int | None = None, 
     return devs[:m], devs[m : m + n]
 
 
-def spec_for(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules=DEFAULT_RULES) -> PartitionSpec:
+def spec_for(
+    shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules=DEFAULT_RULES
+) -> PartitionSpec:
     """PartitionSpec for one array from its logical axes, replicating non-divisible axes."""
     used: set[str] = set()
     out = []

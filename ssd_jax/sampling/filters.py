@@ -115,8 +115,9 @@ def _cutoff(xs, k, top_p, log_z):
     return cut, (resolved | ((k <= 0) & (top_p >= 1.0)))[..., 0]
 
 
-def filter_logprobs(logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool,
-                    candidates: int | None = None) -> jax.Array:
+def filter_logprobs(
+    logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool, candidates: int | None = None
+) -> jax.Array:
     """Log-probabilities after temperature, top-k and top-p (float32, -inf outside support).
 
     Greedy rows (temperature 0) get the logits at temperature 1; callers take the argmax.
@@ -142,14 +143,15 @@ def filter_logprobs(logits_BxV: jax.Array, rs: RowSampling, needs_filter: bool,
 
         def from_sorted(xs):
             in_k = (k > 0) & (k <= xs.shape[-1])
-            z_k = jax.nn.logsumexp(jnp.where(jnp.arange(xs.shape[-1]) < k, xs, NEG_INF), axis=-1, keepdims=True)
+            z_k = jax.nn.logsumexp(
+                jnp.where(jnp.arange(xs.shape[-1]) < k, xs, NEG_INF), axis=-1, keepdims=True
+            )
             return _cutoff(xs, k, top_p, jnp.where(in_k, z_k, full_z))
 
         cand = jax.lax.top_k(x, C)[0] if C < V else -jnp.sort(-x, axis=-1)
         cut, resolved = from_sorted(cand)
         if C < V:
-            cut = jax.lax.cond(jnp.all(resolved), lambda: cut,
-                               lambda: from_sorted(-jnp.sort(-x, axis=-1))[0])
+            cut = jax.lax.cond(jnp.all(resolved), lambda: cut, lambda: from_sorted(-jnp.sort(-x, axis=-1))[0])
         x = jnp.where(x >= cut, x, NEG_INF)
     return jax.nn.log_softmax(x, axis=-1)
 

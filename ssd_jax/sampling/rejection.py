@@ -207,7 +207,9 @@ def _greedy_accepts(target_logits_BxKp1xV, s_BxK, valid_BxK):
     return argmax_BxKp1, jnp.cumprod(ok.astype(jnp.int32), axis=1).astype(bool)
 
 
-def verify_greedy(target_logits_BxKp1xV: jax.Array, draft_tokens_BxK: jax.Array, n_draft_B: jax.Array) -> VerifyResult:
+def verify_greedy(
+    target_logits_BxKp1xV: jax.Array, draft_tokens_BxK: jax.Array, n_draft_B: jax.Array
+) -> VerifyResult:
     """:func:`verify` for a batch whose rows are ALL greedy: the same result as its greedy rows, without
     the sampled rows' work (no uniforms, no log-softmax over the vocabulary, no draft distribution)."""
     V = target_logits_BxKp1xV.shape[-1]

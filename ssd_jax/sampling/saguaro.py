@@ -36,7 +36,6 @@ def saguaro_logprobs(logprobs: jax.Array, fan: jax.Array, c: float, f_max: int) 
     return jnp.where(ok, out - jnp.where(ok, tot, 0.0), logprobs)
 
 
-
 def draft_sample(key, logits, rs: RowSampling, fan, *, needs_filter, greedy, c, f_max):
     """Sample draft tokens from σ_{F,C} of the filtered logits; returns (tokens, logprobs | None).
 
@@ -46,4 +45,3 @@ def draft_sample(key, logits, rs: RowSampling, fan, *, needs_filter, greedy, c, 
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     lp = saguaro_logprobs(filter_logprobs(logits, rs, needs_filter), fan, c, f_max)
     return categorical(key, lp).astype(jnp.int32), lp
-

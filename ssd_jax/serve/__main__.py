@@ -23,15 +23,28 @@ def build_parser() -> Parser:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--max-batch", type=int, default=8, help="slots: sequences decoded together")
-    g.add_argument("--max-model-len", type=int, default=2048, help="KV-cache slots per sequence (prompt + "
-                   "generated + K + 1), capped by the model's context window")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="KV-cache slots per sequence (prompt + generated + K + 1), capped by the model's context window",
+    )
     g.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per call")
-    g.add_argument("--context-buckets", type=int, default=4, help="attention windows compiled: --max-model-len "
-                   "halved this many times minus one; a round attends over the smallest window that holds every "
-                   "running context (1: always the whole cache)")
-    g.add_argument("--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429")
+    g.add_argument(
+        "--context-buckets",
+        type=int,
+        default=4,
+        help="attention windows compiled: --max-model-len "
+        "halved this many times minus one; a round attends over the smallest window that holds every "
+        "running context (1: always the whole cache)",
+    )
+    g.add_argument(
+        "--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429"
+    )
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
-    g.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM"
+    )
     g.add_argument("--log-level", default="warning")
     return p
 
@@ -77,30 +90,59 @@ def run(argv=None) -> int:
         from ssd_jax.decoding.kauto import resolve_k
         from ssd_jax.sampling.filters import SamplingParams
 
-        resolved, info, _ = resolve_k(model, dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
-                                      SamplingParams(), args.max_batch, load_model)
+        resolved, info, _ = resolve_k(
+            model,
+            dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
+            SamplingParams(),
+            args.max_batch,
+            load_model,
+        )
         spec = dataclasses.replace(spec, k=int(resolved.k))
         expected = info["expected_speedup_by_k"][str(spec.k)]
         k_note = f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
         if expected < 1.0:
-            print(f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
-                  f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
-                  "(experiments/serving.md)", file=sys.stderr, flush=True)
+            print(
+                f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
+                f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
+                "(experiments/serving.md)",
+                file=sys.stderr,
+                flush=True,
+            )
     k = 0 if spec.method == "ar" else int(spec.k)
     metrics = Metrics(k)
-    engine = Engine(model, spec, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                    max_waiting=args.max_waiting, drafter_model=draft, metrics=metrics,
-                    context_buckets=args.context_buckets)
+    engine = Engine(
+        model,
+        spec,
+        max_batch=args.max_batch,
+        max_len=max_len,
+        prefill_chunk=args.prefill_chunk,
+        max_waiting=args.max_waiting,
+        drafter_model=draft,
+        metrics=metrics,
+        context_buckets=args.context_buckets,
+    )
     compile_s = engine.compile_all()
     name = args.served_model_name or str(args.target)
     ssd = f" fan-out budget={engine.budget} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
-    print(f"[serve] {name} method={spec.method}" + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
-          + f" slots={args.max_batch} context={max_len} windows={','.join(map(str, engine.windows))}: "
-          f"compiled in {compile_s:.1f}s; "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(
+        f"[serve] {name} method={spec.method}"
+        + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
+        + f" slots={args.max_batch} context={max_len} windows={','.join(map(str, engine.windows))}: "
+        f"compiled in {compile_s:.1f}s; "
+        f"http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
     app = build_app(engine, name, metrics)
-    server = _server_class()(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.shutdown_timeout))
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
     server.run()
     return 0
 

@@ -58,7 +58,9 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
@@ -76,8 +78,11 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
     async def _invalid(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid"),
-                     param=loc or None)
+        return error(
+            400,
+            f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid"),
+            param=loc or None,
+        )
 
     @app.get("/health")
     async def health():
@@ -87,8 +92,18 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": 0,
-                                            "owned_by": "ssd_jax", "max_model_len": engine.max_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "ssd_jax",
+                    "max_model_len": engine.max_len,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def prom():
@@ -105,9 +120,15 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
             raise UserError("stop: at most 4 non-empty strings")
         if not 0.0 <= req.temperature <= 2.0:
             raise UserError(f"temperature must be in [0, 2], got {req.temperature}")
-        sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=0 if req.top_k == -1 else req.top_k,
-                            seed=fresh_seed() if req.seed is None else req.seed, max_new_tokens=max_tokens,
-                            stop=tuple(stop), ignore_eos=req.ignore_eos)
+        sp = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=0 if req.top_k == -1 else req.top_k,
+            seed=fresh_seed() if req.seed is None else req.seed,
+            max_new_tokens=max_tokens,
+            stop=tuple(stop),
+            ignore_eos=req.ignore_eos,
+        )
         sp.validate()
         engine.check_fits(n_prompt, max_tokens)
         return sp
@@ -176,25 +197,47 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
             choices = []
             for i, s in enumerate(seqs):
                 text = s.row.text if s.row is not None else ""
-                c = {"index": i, "finish_reason": s.finish_reason, "token_ids": list(s.row.tokens) if s.row else []}
+                c = {
+                    "index": i,
+                    "finish_reason": s.finish_reason,
+                    "token_ids": list(s.row.tokens) if s.row else [],
+                }
                 if chat:
                     c["message"] = {"role": "assistant", "content": text}
                 else:
                     c["text"], c["logprobs"] = text, None
                 choices.append(c)
-            return {"id": rid, "object": obj, "created": created, "model": served_name, "choices": choices,
-                    "usage": usage()}
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": served_name,
+                "choices": choices,
+                "usage": usage(),
+            }
 
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, **extra):
-            return json.dumps({"id": rid, "object": chunk_obj, "created": created, "model": served_name,
-                               "choices": choices, **extra})
+            return json.dumps(
+                {
+                    "id": rid,
+                    "object": chunk_obj,
+                    "created": created,
+                    "model": served_name,
+                    "choices": choices,
+                    **extra,
+                }
+            )
 
         def piece(i, text=None, finish=None, first=False):
             if chat:
-                delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+                delta = (
+                    {"role": "assistant", "content": text or ""}
+                    if first
+                    else ({"content": text} if text else {})
+                )
                 return {"index": i, "delta": delta, "finish_reason": finish}
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
@@ -210,8 +253,16 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
                         yield chunk([piece(i, x)])
                     elif x.finish_reason == "error":  # OpenAI streams an error object, then ends
                         remaining -= 1
-                        yield json.dumps({"error": {"message": f"the engine failed: {engine.error}",
-                                                    "type": "server_error", "param": None, "code": 500}})
+                        yield json.dumps(
+                            {
+                                "error": {
+                                    "message": f"the engine failed: {engine.error}",
+                                    "type": "server_error",
+                                    "param": None,
+                                    "code": 500,
+                                }
+                            }
+                        )
                         return
                     else:
                         remaining -= 1
@@ -244,12 +295,12 @@ def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
         if model.tokenizer is None:
             return error(400, f"model {served_name} has no tokenizer: chat needs one")
         try:
-            text = model.tokenizer.apply_chat_template([m.model_dump() for m in req.messages],
-                                                       add_generation_prompt=True)
+            text = model.tokenizer.apply_chat_template(
+                [m.model_dump() for m in req.messages], add_generation_prompt=True
+            )
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             return error(400, f"chat template: {e}", param="messages")
         ids = model.tokenizer.encode(text, add_special_tokens=False)
         return await run(request, req, [ids], chat=True)
 
     return app
-

@@ -74,21 +74,38 @@ def fresh_seed() -> int:
 class Engine:
     """``max_batch`` slots over one static batch; one thread admits, runs rounds and streams."""
 
-    def __init__(self, model, spec: SpecConfig, *, max_batch: int, max_len: int, prefill_chunk: int = 64,
-                 max_waiting: int = 64, drafter_model=None, metrics=None, context_buckets: int = 4):
+    def __init__(
+        self,
+        model,
+        spec: SpecConfig,
+        *,
+        max_batch: int,
+        max_len: int,
+        prefill_chunk: int = 64,
+        max_waiting: int = 64,
+        drafter_model=None,
+        metrics=None,
+        context_buckets: int = 4,
+    ):
         if spec.method not in ("ar", "sd", "ssd"):
             raise UserError(f"unknown method {spec.method!r} (ar, sd, ssd)")
         if spec.method == "sd" and spec.draft == "random":
             raise UserError("the server's SD drafters are a draft model or ngram")
         if spec.method == "ssd" and (drafter_model is None or spec.backup not in ("neural", "auto")):
-            raise UserError("the server's SSD needs a draft model and runs the neural backup (--backup neural; "
-                            "auto means neural here)")
+            raise UserError(
+                "the server's SSD needs a draft model and runs the neural backup (--backup neural; "
+                "auto means neural here)"
+            )
         if spec.method != "ar" and (spec.target_devices is not None or spec.draft_devices is not None):
-            raise UserError("the server runs both models on one device (no --target-devices / --draft-devices)")
+            raise UserError(
+                "the server runs both models on one device (no --target-devices / --draft-devices)"
+            )
         self.model, self.spec, self.B, self.max_len = model, spec, max_batch, max_len
         self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
         if spec.method != "ar" and spec.k == "auto":
-            raise UserError("the engine takes an integer k: resolve k='auto' first (ssd_jax.decoding.kauto.resolve_k)")
+            raise UserError(
+                "the engine takes an integer k: resolve k='auto' first (ssd_jax.decoding.kauto.resolve_k)"
+            )
         self.k = 0 if spec.method == "ar" else int(spec.k)
         self.kind = "model" if drafter_model is not None else "host"
         self.draft = drafter_model
@@ -97,7 +114,9 @@ class Engine:
         dcfg = drafter_model.cfg if drafter_model is not None else None
         # attention windows: a round attends over the smallest that holds every running row's context
         self.windows = programs.context_windows(max_len, context_buckets)
-        self._admit, self._rounds = programs.programs(model.cfg, dcfg, spec.method, self.k, self.kind, self.windows)
+        self._admit, self._rounds = programs.programs(
+            model.cfg, dcfg, spec.method, self.k, self.kind, self.windows
+        )
         self._put = functools.partial(put_on, model)
 
         B = max_batch
@@ -120,7 +139,11 @@ class Engine:
         self.history: list[np.ndarray] = [np.zeros(0, np.int32)] * B
         self.tcache = cache_for(model, B, max_len)
         # SSD's draft cache also holds the speculation tree past the context (_ssd_setup)
-        self.dcache = cache_for(drafter_model, B, max_len) if drafter_model is not None and spec.method == "sd" else None
+        self.dcache = (
+            cache_for(drafter_model, B, max_len)
+            if drafter_model is not None and spec.method == "sd"
+            else None
+        )
         self.compile_s = 0.0
         if spec.method == "ssd":
             self._ssd_setup()
@@ -136,12 +159,22 @@ class Engine:
         self._ctl = Control(k=K, budget=M, batch=B)
         self._ctrl_parts = (kb_tab, rb_tab, fan)
         self._fan = self._put(np.asarray(fan, np.int32))
-        opts = Opts(k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=cfg.vocab_size, needs_filter=False, greedy=True,
-                    c=float(self.spec.saguaro_c), tree_base=self.max_len)
+        opts = Opts(
+            k=K,
+            budget=M,
+            vocab=cfg.vocab_size,
+            rand_vocab=cfg.vocab_size,
+            needs_filter=False,
+            greedy=True,
+            c=float(self.spec.saguaro_c),
+            tree_base=self.max_len,
+        )
         self._first, self._rounds = programs.ssd_programs(cfg, self.draft.cfg, opts, self._ctl, self.windows)
         self.dcache = cache_for(self.draft, B, self.max_len + M * K)
         z = np.zeros(B, np.int32)
-        self.sp = Proposal(self._put(np.zeros((B, K), np.int32)), self._put(z + K), None, self._put(z.astype(bool)))
+        self.sp = Proposal(
+            self._put(np.zeros((B, K), np.int32)), self._put(z + K), None, self._put(z.astype(bool))
+        )
         self.budget = M
 
     # --- start-up: every program the loop will call, compiled now
@@ -152,8 +185,17 @@ class Engine:
         rs1 = self._rs(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
         for admit in self._admit.values():
             self.compile_s += admit.precompile(
-                self.model.params, self.tcache, dparams, self.dcache, p(np.zeros((1, self.C), np.int32)),
-                p(np.ones(1, np.int32)), p(np.int32(0)), p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1)
+                self.model.params,
+                self.tcache,
+                dparams,
+                self.dcache,
+                p(np.zeros((1, self.C), np.int32)),
+                p(np.ones(1, np.int32)),
+                p(np.int32(0)),
+                p(np.int32(0)),
+                p(np.zeros((1, 2), np.uint32)),
+                rs1,
+            )
         if self.spec.method == "ssd":
             return self._ssd_compile(rs1)
         for prog in self._rounds.values():
@@ -163,8 +205,16 @@ class Engine:
     def _ssd_compile(self, rs1) -> float:
         p = self._put
         for greedy, prog in self._first.items():
-            self.compile_s += prog.precompile(self.draft.params, self.dcache, self._ssd_spec(greedy), p(np.zeros(1, np.int32)),
-                                              p(np.int32(0)), p(np.zeros((1, 2), np.uint32)), rs1, self._fan)
+            self.compile_s += prog.precompile(
+                self.draft.params,
+                self.dcache,
+                self._ssd_spec(greedy),
+                p(np.zeros(1, np.int32)),
+                p(np.int32(0)),
+                p(np.zeros((1, 2), np.uint32)),
+                rs1,
+                self._fan,
+            )
         for (greedy, _, _), prog in self._rounds.items():
             self.compile_s += prog.precompile(*self._ssd_round_args(greedy))
         return self.compile_s
@@ -185,8 +235,19 @@ class Engine:
         p = self._put
         rs = self._rs(self.temp, self.top_k, self.top_p)
         ctrl = p(self._ctl.pack(*self._ctrl_parts, self.active))
-        return (self.model.params, self.tcache, self.draft.params, self.dcache, p(self.cur), self._ssd_spec(greedy),
-                p(self.keys), p(self.steps), p(self.active), rs, ctrl)
+        return (
+            self.model.params,
+            self.tcache,
+            self.draft.params,
+            self.dcache,
+            p(self.cur),
+            self._ssd_spec(greedy),
+            p(self.keys),
+            p(self.steps),
+            p(self.active),
+            rs,
+            ctrl,
+        )
 
     def _rs(self, t, k, pp) -> RowSampling:
         return RowSampling(self._put(t), self._put(k), self._put(pp))
@@ -201,16 +262,31 @@ class Engine:
         if host_toks is None:
             host_toks, host_n = np.zeros((B, K), np.int32), np.zeros(B, np.int32)
         dparams = self.draft.params if self.draft is not None else None
-        return (self.model.params, self.tcache, dparams, self.dcache, p(self.cur), p(self.prev),
-                p(np.bool_(self.catch_up)), keys, steps, active, rs, p(host_toks), p(host_n))
+        return (
+            self.model.params,
+            self.tcache,
+            dparams,
+            self.dcache,
+            p(self.cur),
+            p(self.prev),
+            p(np.bool_(self.catch_up)),
+            keys,
+            steps,
+            active,
+            rs,
+            p(host_toks),
+            p(host_n),
+        )
 
     # --- the HTTP side's calls (any thread)
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         need = n_prompt + max_tokens + self.extra_slots
         if need > self.max_len:
-            raise UserError(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the server's context of "
-                            f"{self.max_len - self.extra_slots} tokens")
+            raise UserError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the server's context of "
+                f"{self.max_len - self.extra_slots} tokens"
+            )
 
     def submit(self, seqs: list[Sequence]) -> None:
         with self._cv:
@@ -316,23 +392,42 @@ class Engine:
     def _admit_one(self, b: int, s: Sequence) -> None:
         p, sp, ids = self._put, s.sampling, s.prompt_ids
         key = row_key(sp.seed, s.index)
-        rs1 = self._rs(np.array([sp.temperature], np.float32), np.array([sp.top_k], np.int32),
-                       np.array([sp.top_p], np.float32))
+        rs1 = self._rs(
+            np.array([sp.temperature], np.float32),
+            np.array([sp.top_k], np.int32),
+            np.array([sp.top_p], np.float32),
+        )
         dparams = self.draft.params if self.draft is not None else None
         tok = None
         for start in range(0, len(ids), self.C):
-            chunk = ids[start: start + self.C]
+            chunk = ids[start : start + self.C]
             block = np.zeros((1, self.C), np.int32)
             block[0, : len(chunk)] = chunk
             tok, self.tcache, self.dcache = self._admit[self._window(start + self.C)](
-                self.model.params, self.tcache, dparams, self.dcache, p(block), p(np.array([len(chunk)], np.int32)),
-                p(np.int32(b)), p(np.int32(start)), p(key[None]), rs1)
+                self.model.params,
+                self.tcache,
+                dparams,
+                self.dcache,
+                p(block),
+                p(np.array([len(chunk)], np.int32)),
+                p(np.int32(b)),
+                p(np.int32(start)),
+                p(key[None]),
+                rs1,
+            )
         first = int(np.asarray(tok)[0])
         if self.spec.method == "ssd":  # the row's first speculation, drafted now
             greedy = self.sp.q is None and sp.temperature == 0
-            self.sp, self.dcache = self._first[greedy](dparams, self.dcache, self._ssd_spec(greedy),
-                                                       p(np.array([first], np.int32)), p(np.int32(b)), p(key[None]),
-                                                       rs1, self._fan)
+            self.sp, self.dcache = self._first[greedy](
+                dparams,
+                self.dcache,
+                self._ssd_spec(greedy),
+                p(np.array([first], np.int32)),
+                p(np.int32(b)),
+                p(key[None]),
+                rs1,
+                self._fan,
+            )
         self.keys[b], self.steps[b], self.active[b] = key, 1, True
         self.temp[b], self.top_k[b], self.top_p[b] = sp.temperature, sp.top_k, sp.top_p
         self.cur[b], self.prev[b] = first, ids[-1]
@@ -373,7 +468,9 @@ class Engine:
 
     def _round_window(self) -> int:
         """The window of this round: every running row's cache slots, with the round's writes, lie below it."""
-        need = max(len(s.prompt_ids) + len(s.row.tokens) for s in self.slots if s is not None and s.row is not None)
+        need = max(
+            len(s.prompt_ids) + len(s.row.tokens) for s in self.slots if s is not None and s.row is not None
+        )
         return self._window(need + self.extra_slots + 1)
 
     def _round(self) -> None:
@@ -393,8 +490,13 @@ class Engine:
             return
         host_toks = host_n = None
         if self.kind == "host":
-            host_toks, host_n = ngram_proposals(self.history, self.k, self.spec.prompt_lookup_min,
-                                                self.spec.prompt_lookup_max, rows=np.flatnonzero(live))
+            host_toks, host_n = ngram_proposals(
+                self.history,
+                self.k,
+                self.spec.prompt_lookup_min,
+                self.spec.prompt_lookup_max,
+                rows=np.flatnonzero(live),
+            )
         out, self.tcache, self.dcache, cur, prev = prog(*self._round_args(host_toks, host_n))
         out = np.asarray(out)
         emitted, n_acc = out[:, :-1], out[:, -1]
@@ -417,7 +519,8 @@ class Engine:
         greedy = bool((self.temp[live] == 0).all())
         K = self.k
         out, self.sp, self.tcache, self.dcache = self._rounds[greedy, needs_filter and not greedy, window](
-            *self._ssd_round_args(greedy))
+            *self._ssd_round_args(greedy)
+        )
         out = np.asarray(out)  # the round's one read
         emitted, n_acc, hit = out[:, : K + 1], out[:, K + 1], out[:, K + 2] > 0
         self.cur[:] = emitted[np.arange(self.B), n_acc]  # the last token emitted: the next round's cur

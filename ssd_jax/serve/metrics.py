@@ -10,30 +10,61 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 class Metrics:
     def __init__(self, k: int):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("ssd_jax:request_success", "Finished API requests by finish reason",
-                                ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("ssd_jax:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.requests = Counter(
+            "ssd_jax:request_success",
+            "Finished API requests by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "ssd_jax:prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter("ssd_jax:generation_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram("ssd_jax:time_to_first_token_seconds", "Arrival to first token, per sequence",
-                              buckets=_LATENCY, registry=r)
-        self.tpot = Histogram("ssd_jax:time_per_output_token_seconds", "Mean time per token after the first, per "
-                              "sequence", buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("ssd_jax:e2e_request_latency_seconds", "Arrival to last token, per sequence",
-                             buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(
+            "ssd_jax:time_to_first_token_seconds",
+            "Arrival to first token, per sequence",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "ssd_jax:time_per_output_token_seconds",
+            "Mean time per token after the first, per sequence",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ssd_jax:e2e_request_latency_seconds",
+            "Arrival to last token, per sequence",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.running = Gauge("ssd_jax:num_requests_running", "Sequences in a slot", registry=r)
         self.waiting = Gauge("ssd_jax:num_requests_waiting", "Sequences waiting for a slot", registry=r)
-        self.drafts = Counter("ssd_jax:spec_decode_num_drafts", "Verify steps (one per running row per round)",
-                              registry=r)
+        self.drafts = Counter(
+            "ssd_jax:spec_decode_num_drafts", "Verify steps (one per running row per round)", registry=r
+        )
         self.draft_tokens = Counter("ssd_jax:spec_decode_num_draft_tokens", "Proposed tokens", registry=r)
-        self.accepted = Counter("ssd_jax:spec_decode_num_accepted_tokens", "Accepted proposed tokens", registry=r)
-        self.accepted_per_pos = Counter("ssd_jax:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted proposals by position in the round", ["position"], registry=r)
+        self.accepted = Counter(
+            "ssd_jax:spec_decode_num_accepted_tokens", "Accepted proposed tokens", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "ssd_jax:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposals by position in the round",
+            ["position"],
+            registry=r,
+        )
         for j in range(k):
             self.accepted_per_pos.labels(position=str(j))
-        self.cache_lookups = Counter("ssd_jax:spec_decode_num_cache_lookups", "SSD: speculation-cache lookups (one "
-                                     "per running row per round)", registry=r)
-        self.cache_hits = Counter("ssd_jax:spec_decode_num_cache_hits", "SSD: lookups whose outcome was in the "
-                                  "speculation cache", registry=r)
+        self.cache_lookups = Counter(
+            "ssd_jax:spec_decode_num_cache_lookups",
+            "SSD: speculation-cache lookups (one per running row per round)",
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "ssd_jax:spec_decode_num_cache_hits",
+            "SSD: lookups whose outcome was in the speculation cache",
+            registry=r,
+        )
 
     def sequence_done(self, s) -> None:
         """One sequence ended (engine thread): its tokens and latencies."""

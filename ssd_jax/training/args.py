@@ -15,8 +15,21 @@ INIT_MODES = ("spread", "first", "none")
 
 # training arguments that must match when resuming (the others may change freely)
 RESUME_KEYS = (
-    "steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "loss", "seed", "init_layers", "data",
-    "ce_weight", "distill_tail", "draft_vocab", "pack",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "clip",
+    "loss",
+    "seed",
+    "init_layers",
+    "data",
+    "ce_weight",
+    "distill_tail",
+    "draft_vocab",
+    "pack",
 )
 
 
@@ -91,7 +104,9 @@ class TrainArgs:
         if self.steps < 1:
             raise UserError(f"--steps must be >= 1, got {self.steps}")
         if self.batch_size < 1 or self.seq_len < 2:
-            raise UserError(f"--batch-size must be >= 1 and --seq-len >= 2, got {self.batch_size}, {self.seq_len}")
+            raise UserError(
+                f"--batch-size must be >= 1 and --seq-len >= 2, got {self.batch_size}, {self.seq_len}"
+            )
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.warmup is not None and self.warmup < 0:
@@ -114,7 +129,9 @@ class TrainArgs:
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise UserError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
         if self.loss == "distill" and not (Path(self.data) / "manifest.json").is_file():
-            raise UserError(f"--loss distill needs --data DIR made by 'python -m ssd_jax.train distill-data', got {self.data!r}")
+            raise UserError(
+                f"--loss distill needs --data DIR made by 'python -m ssd_jax.train distill-data', got {self.data!r}"
+            )
 
 
 def _slug(name: str) -> str:
@@ -129,7 +146,9 @@ def parse_size(s: str | float) -> float | None:
     try:
         v = sdsl.parse_size(str(s))
     except UserError:
-        raise UserError(f"--size must be 'auto' or a positive parameter count such as 10M, got {s!r}") from None
+        raise UserError(
+            f"--size must be 'auto' or a positive parameter count such as 10M, got {s!r}"
+        ) from None
     if v < 1:
         raise UserError(f"--size must be 'auto' or a positive parameter count, got {s!r}")
     return v

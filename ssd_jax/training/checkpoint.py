@@ -50,7 +50,10 @@ class RunDir:
 
             dfmt.quiet_orbax()
             opts = ocp.CheckpointManagerOptions(
-                max_to_keep=self.keep, enable_async_checkpointing=False, cleanup_tmp_directories=True, create=True
+                max_to_keep=self.keep,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=True,
+                create=True,
             )
             self._mngr = ocp.CheckpointManager(self.state_dir.absolute(), options=opts)
         return self._mngr
@@ -60,7 +63,9 @@ class RunDir:
 
         self.manager.save(
             step,
-            args=ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state)),
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state)
+            ),
             force=True,
         )
         self.manager.wait_until_finished()
@@ -77,10 +82,14 @@ class RunDir:
             try:
                 r = self.manager.restore(
                     s,
-                    args=ocp.args.Composite(params=ocp.args.StandardRestore(abs_p), opt_state=ocp.args.StandardRestore(abs_o)),
+                    args=ocp.args.Composite(
+                        params=ocp.args.StandardRestore(abs_p), opt_state=ocp.args.StandardRestore(abs_o)
+                    ),
                 )
             except Exception as e:  # a damaged step: fall back to the one before
-                log(f"state step {s} does not restore ({type(e).__name__}: {str(e).splitlines()[0][:160]}); trying older")
+                log(
+                    f"state step {s} does not restore ({type(e).__name__}: {str(e).splitlines()[0][:160]}); trying older"
+                )
                 damaged.append(s)
                 continue
             for d in damaged:  # newer than the restored step and unusable: they would block re-saving

@@ -30,7 +30,11 @@ class Corpus:
 
 
 def _doc_heldout(text: str) -> bool:
-    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big") % HELDOUT_EVERY == 0
+    return (
+        int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+        % HELDOUT_EVERY
+        == 0
+    )
 
 
 def _file_texts(path: Path) -> list[str]:
@@ -47,7 +51,9 @@ def _file_texts(path: Path) -> list[str]:
                 rec = json.loads(line)
                 texts.append(str(rec["text"]))
             except (ValueError, KeyError, TypeError):
-                raise UserError(f"--data {path}: line {i + 1} is not a JSON object with a \"text\" field") from None
+                raise UserError(
+                    f'--data {path}: line {i + 1} is not a JSON object with a "text" field'
+                ) from None
         return [t for t in texts if t.strip()]
     return [t for t in raw.split("\n\n") if t.strip()]
 
@@ -61,7 +67,9 @@ def corpus_docs(data: str, split: str) -> list[str | list[dict[str, str]]]:
             raise UserError(f"--data must be 'corpus' or an existing .txt/.jsonl file, got {data!r}")
         docs = [t for t in _file_texts(p) if _doc_heldout(t) == (split == "heldout")]
         if not docs:
-            raise UserError(f"--data {p}: no {split} documents (every {HELDOUT_EVERY}th document by hash is held out)")
+            raise UserError(
+                f"--data {p}: no {split} documents (every {HELDOUT_EVERY}th document by hash is held out)"
+            )
         return list(docs)
     docs: list[str | list[dict[str, str]]] = list(training_texts(split, sources=CORPUS_SOURCES))
     for conv in sharegpt_conversations(split):
@@ -115,7 +123,9 @@ def build_corpus(args: TrainArgs, tokenizer) -> Corpus:
     for split, need, per_doc in (("train", need_train, None), ("heldout", need_eval, 2 * args.seq_len)):
         s, used = token_stream(corpus_docs(args.data, split), tokenizer, need, per_doc=per_doc)
         if len(s) < args.seq_len + 1:
-            raise UserError(f"{split} data has only {len(s)} tokens, fewer than one window of {args.seq_len + 1}")
+            raise UserError(
+                f"{split} data has only {len(s)} tokens, fewer than one window of {args.seq_len + 1}"
+            )
         streams[split] = s
         info[split] = {
             "documents": used,

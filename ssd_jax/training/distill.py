@@ -56,8 +56,17 @@ from ssd_jax.training.args import TAILS
 from ssd_jax.training.distill_data import DistillData
 from ssd_jax.training.objective import MASKED_LOGIT, mask_head
 
-__all__ = ["TAILS", "batch_rows", "distill_batch", "distill_loss", "distill_stats", "fill_rows", "make_distill_step",
-           "mask_head", "pack_epoch"]
+__all__ = [
+    "TAILS",
+    "batch_rows",
+    "distill_batch",
+    "distill_loss",
+    "distill_stats",
+    "fill_rows",
+    "make_distill_step",
+    "mask_head",
+    "pack_epoch",
+]
 _MASKED = MASKED_LOGIT
 
 
@@ -100,7 +109,9 @@ def _packed_row(data: DistillData, seed: int, g: int, seq_len: int) -> list[int]
         epoch += 1
 
 
-def batch_rows(data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool) -> list[list[int]]:
+def batch_rows(
+    data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool
+) -> list[list[int]]:
     """The sequences of each row of ``step``: global row ``g = step·B + b`` is entry ``g mod n`` of
     the permutation of epoch ``g div n`` (one sequence a row), or (``pack``) row ``g`` of the
     concatenated packed epochs. Either way a pure function of (data, seed, step)."""
@@ -135,23 +146,40 @@ def fill_rows(data: DistillData, rows: list[list[int]], seq_len: int) -> dict[st
             p_abs = lo + int(data.prompt_lens[e])  # first generated token
             first = max(p_abs, start + 1)  # first generated token predicted inside the window
             if first < hi:
-                rows_k = slice(int(data.gen_offsets[e]) + first - p_abs, int(data.gen_offsets[e]) + hi - p_abs)
+                rows_k = slice(
+                    int(data.gen_offsets[e]) + first - p_abs, int(data.gen_offsets[e]) + hi - p_abs
+                )
                 pos = slice(o + first - start - 1, o + hi - start - 1)  # input positions predicting them
                 ids[b, pos] = data.topk_ids[rows_k]
                 lps[b, pos] = data.topk_logprobs[rows_k]
                 mask[b, pos] = 1.0
             o += n
-    return {"tokens": tokens, "positions": positions[:, :-1], "segments": segments[:, :-1],
-            "topk_ids": ids, "topk_logprobs": lps, "mask": mask}
+    return {
+        "tokens": tokens,
+        "positions": positions[:, :-1],
+        "segments": segments[:, :-1],
+        "topk_ids": ids,
+        "topk_logprobs": lps,
+        "mask": mask,
+    }
 
 
-def distill_batch(data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool = False) -> dict[str, np.ndarray]:
+def distill_batch(
+    data: DistillData, step: int, seed: int, batch: int, seq_len: int, pack: bool = False
+) -> dict[str, np.ndarray]:
     """The examples of ``step`` (:func:`batch_rows`, :func:`fill_rows`)."""
     return fill_rows(data, batch_rows(data, step, seed, batch, seq_len, pack), seq_len)
 
 
-def distill_stats(logits_q_BxTxC, topk_ids_BxTxK, topk_lp_BxTxK, labels_BxT, head_mask_V=None, tail: str = "bucket",
-                  col_of_V=None):
+def distill_stats(
+    logits_q_BxTxC,
+    topk_ids_BxTxK,
+    topk_lp_BxTxK,
+    labels_BxT,
+    head_mask_V=None,
+    tail: str = "bucket",
+    col_of_V=None,
+):
     """Per-position ``kl``, ``ce`` (the label's), ``ce_ok`` (label kept by the head) and ``alpha_topk``.
 
     The draft's logits come in one of three forms:
@@ -232,10 +260,13 @@ def make_distill_step(cfg: ModelConfig, tail: str, ce_weight: float, optimizer) 
             h = causal_hidden(full, cfg, tokens, batch["positions"], batch["segments"])
             if "head_ids" in frozen:  # a trimmed head: only its N rows are computed
                 z = kept_logits(full, cfg, h, frozen["head_ids"])
-                st = distill_stats(z, batch["topk_ids"], batch["topk_logprobs"], labels, None, tail, frozen["head_col"])
+                st = distill_stats(
+                    z, batch["topk_ids"], batch["topk_logprobs"], labels, None, tail, frozen["head_col"]
+                )
             else:
-                st = distill_stats(llama.logits(full, cfg, h), batch["topk_ids"], batch["topk_logprobs"], labels,
-                                   None, tail)
+                st = distill_stats(
+                    llama.logits(full, cfg, h), batch["topk_ids"], batch["topk_logprobs"], labels, None, tail
+                )
             loss, kl, ce = distill_loss(st, batch["mask"], ce_weight)
             return loss, (kl, ce, st["alpha_topk"])
 
@@ -243,8 +274,14 @@ def make_distill_step(cfg: ModelConfig, tail: str, ce_weight: float, optimizer) 
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         m = batch["mask"]
-        metrics = {"loss": loss, "kl": kl, "ce": ce, "grad_norm": global_norm(grads),
-                   "alpha": (alpha * m).sum() / jax.numpy.maximum(m.sum(), 1.0), "tokens": m.sum()}
+        metrics = {
+            "loss": loss,
+            "kl": kl,
+            "ce": ce,
+            "grad_norm": global_norm(grads),
+            "alpha": (alpha * m).sum() / jax.numpy.maximum(m.sum(), 1.0),
+            "tokens": m.sum(),
+        }
         return params, opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))

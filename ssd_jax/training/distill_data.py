@@ -141,7 +141,9 @@ def shard_bytes(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
         for name, a in {**arrays, "meta": np.asarray(json.dumps(meta, sort_keys=True))}.items():
             b = io.BytesIO()
-            np.lib.format.write_array(b, np.asarray(a), allow_pickle=False)  # (ascontiguousarray makes 0-d 1-d)
+            np.lib.format.write_array(
+                b, np.asarray(a), allow_pickle=False
+            )  # (ascontiguousarray makes 0-d 1-d)
             z.writestr(zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)), b.getvalue())
     return buf.getvalue()
 
@@ -179,7 +181,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         meta = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is not distillation data (cannot read {MANIFEST}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or meta.get("format_version") != FORMAT_VERSION
+    ):
         raise UserError(f"{path}: {MANIFEST} is not a {FORMAT} v{FORMAT_VERSION} manifest")
     return meta
 
@@ -195,7 +201,9 @@ def encode_prompt(tokenizer, text: str, max_tokens: int, chat: bool) -> list[int
     if len(ids) > max_tokens:
         text = tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
     if chat and tokenizer.chat_template:
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
         return tokenizer.encode(templated, add_special_tokens=False)
     return tokenizer.encode(text, add_special_tokens=True)[: max_tokens + 1]
 
@@ -234,9 +242,11 @@ def answer_program(cfg, k: int, n_new: int, eos: tuple[int, ...]):
 
         h, cache = llama.forward(params, cfg, tokens_BxW, llama.init_cache(cfg, B, W + n_new))
         tok, lp, ids = pick(key, jnp.take_along_axis(h, (n_valid_B - 1)[:, None, None], axis=1)[:, 0])
-        out = (jnp.zeros((B, n_new), jnp.int32).at[:, 0].set(tok),
-               jnp.zeros((B, n_new, k), jnp.float32).at[:, 0].set(lp),
-               jnp.zeros((B, n_new, k), jnp.int32).at[:, 0].set(ids))
+        out = (
+            jnp.zeros((B, n_new), jnp.int32).at[:, 0].set(tok),
+            jnp.zeros((B, n_new, k), jnp.float32).at[:, 0].set(lp),
+            jnp.zeros((B, n_new, k), jnp.int32).at[:, 0].set(ids),
+        )
         done = ~live_B | jnp.isin(tok, eos_E)
 
         def more(c):
@@ -333,8 +343,11 @@ def build_distill_data(
         "format_version": FORMAT_VERSION,
         "recipe": recipe.key(),
         "n_prompts": len(prompts),
-        "target": {"name": recipe.target, "weights_sha256": target.weights_sha256,
-                   "tokenizer_fingerprint": tok.fingerprint()},
+        "target": {
+            "name": recipe.target,
+            "weights_sha256": target.weights_sha256,
+            "tokenizer_fingerprint": tok.fingerprint(),
+        },
         "prompt_ids": ids,
     }
     if is_distill_dir(out):
@@ -342,10 +355,16 @@ def build_distill_data(
         diff = _recipe_diff(old.get("recipe", {}), manifest["recipe"])
         if old.get("target", {}).get("weights_sha256") != target.weights_sha256:
             diff = "; ".join(x for x in (diff, f"target weights {recipe.target}") if x)
-        if not diff and old.get("prompt_ids", [])[: min(len(old["prompt_ids"]), len(ids))] != ids[: len(old["prompt_ids"])]:
+        if (
+            not diff
+            and old.get("prompt_ids", [])[: min(len(old["prompt_ids"]), len(ids))]
+            != ids[: len(old["prompt_ids"])]
+        ):
             diff = "prompt list (not a prefix of the stored one)"
         if diff:
-            raise UserError(f"{out} holds distillation data of a different recipe ({diff}); use another --out or delete it")
+            raise UserError(
+                f"{out} holds distillation data of a different recipe ({diff}); use another --out or delete it"
+            )
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob(".*.tmp-*"):  # temporary files of a killed run
         p.unlink(missing_ok=True)
@@ -357,7 +376,14 @@ def build_distill_data(
     jobs = [(ti, t, s) for ti, t in enumerate(recipe.temperatures) for s in range(n_shards)]
     eos = tuple(sorted(eos_ids(target)))
     prog = answer_program(target.cfg, recipe.top_k, recipe.max_new_tokens, eos)
-    stats = {"shards_written": 0, "shards_kept": 0, "gen_tokens": 0, "gen_s": 0.0, "compiles": 0, "compile_s": 0.0}
+    stats = {
+        "shards_written": 0,
+        "shards_kept": 0,
+        "gen_tokens": 0,
+        "gen_s": 0.0,
+        "compiles": 0,
+        "compile_s": 0.0,
+    }
     bar = progress(total=len(jobs), desc="distill-data", unit="shard", leave=True, mininterval=1.0)
     try:
         for ti, temp, s in jobs:
@@ -372,8 +398,10 @@ def build_distill_data(
             p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
             longest = max(len(p) for p in p_ids)
             if longest + recipe.max_new_tokens > target.cfg.max_position_embeddings:
-                raise UserError(f"a prompt of {longest} tokens + --max-new-tokens {recipe.max_new_tokens} exceeds the "
-                                f"context window of {recipe.target} ({target.cfg.max_position_embeddings} tokens)")
+                raise UserError(
+                    f"a prompt of {longest} tokens + --max-new-tokens {recipe.max_new_tokens} exceeds the "
+                    f"context window of {recipe.target} ({target.cfg.max_position_embeddings} tokens)"
+                )
             # batches of similar lengths (stable sort): little prefill padding, and a few prompt widths
             # over the whole run, each compiled once
             order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]))
@@ -383,14 +411,18 @@ def build_distill_data(
                 rows = order[b : b + B]
                 seed = int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1)
                 c0, cs0, t0 = prog.compiles, prog.compile_s, time.perf_counter()
-                for i, a in zip(rows, answer_batch(target, [p_ids[i] for i in rows], float(temp), seed, recipe, eos)):
+                for i, a in zip(
+                    rows, answer_batch(target, [p_ids[i] for i in rows], float(temp), seed, recipe, eos)
+                ):
                     answers[i] = a
                     timing["gen_tokens"] += len(a[0])
                 timing["gen_s"] += time.perf_counter() - t0
                 timing["compiles"] += prog.compiles - c0
                 timing["compile_s"] += prog.compile_s - cs0
                 done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s")}
-                bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'], 1e-9):,.0f} tok/s", refresh=False)
+                bar.set_postfix_str(
+                    f"{done['gen_tokens'] / max(done['gen_s'], 1e-9):,.0f} tok/s", refresh=False
+                )
             seqs = [list(p) + a[0] for p, a in zip(p_ids, answers)]
             for k in timing:
                 stats[k] += timing[k]
@@ -401,8 +433,14 @@ def build_distill_data(
                 "topk_ids": np.concatenate([a[3] for a in answers]),
                 "topk_logprobs": np.concatenate([a[2] for a in answers]),
             }
-            meta = {"key": key_sha, "temperature": float(temp), "shard": s, "prompt_ids": shard_ids,
-                    "finish_reasons": [a[1] for a in answers], "timing": timing}  # timing includes compilation
+            meta = {
+                "key": key_sha,
+                "temperature": float(temp),
+                "shard": s,
+                "prompt_ids": shard_ids,
+                "finish_reasons": [a[1] for a in answers],
+                "timing": timing,
+            }  # timing includes compilation
             write_atomic(out / name, shard_bytes(arrays, meta))
             stats["shards_written"] += 1
             bar.update(1)
@@ -440,8 +478,10 @@ def load_distill_data(path: str | os.PathLike, weights_sha256: str | None = None
     path = Path(path)
     man = read_manifest(path)
     if weights_sha256 is not None and man["target"].get("weights_sha256") != weights_sha256:
-        raise UserError(f"distillation data {path} was made with another target ({man['target'].get('name')}); "
-                        f"train against that target or rebuild the data")
+        raise UserError(
+            f"distillation data {path} was made with another target ({man['target'].get('name')}); "
+            f"train against that target or rebuild the data"
+        )
     rec = man["recipe"]
     n_shards = -(-man["n_prompts"] // rec["shard_prompts"])
     parts, missing = [], []
@@ -450,8 +490,10 @@ def load_distill_data(path: str | os.PathLike, weights_sha256: str | None = None
             got = read_shard(path / shard_name(ti, s))
             (parts.append(got[0]) if got is not None else missing.append(shard_name(ti, s)))
     if missing:
-        raise UserError(f"distillation data {path} is incomplete ({len(missing)} shards missing, e.g. {missing[0]}): "
-                        f"rerun distill-data with the same recipe to finish it")
+        raise UserError(
+            f"distillation data {path} is incomplete ({len(missing)} shards missing, e.g. {missing[0]}): "
+            f"rerun distill-data with the same recipe to finish it"
+        )
     tokens, offsets, plens, tids, tlps = [], [0], [], [], []
     for a in parts:
         offsets += list(offsets[-1] + a["offsets"][1:])
@@ -463,13 +505,24 @@ def load_distill_data(path: str | os.PathLike, weights_sha256: str | None = None
     plens = np.concatenate(plens).astype(np.int64)
     glens = np.diff(offsets) - plens
     data = DistillData(
-        tokens=np.concatenate(tokens), offsets=offsets, prompt_lens=plens,
+        tokens=np.concatenate(tokens),
+        offsets=offsets,
+        prompt_lens=plens,
         gen_offsets=np.concatenate([[0], np.cumsum(glens)]).astype(np.int64),
-        topk_ids=np.concatenate(tids), topk_logprobs=np.concatenate(tlps), info={},
+        topk_ids=np.concatenate(tids),
+        topk_logprobs=np.concatenate(tlps),
+        info={},
     )
     h = hashlib.sha256()
     for a in (data.tokens, data.offsets, data.topk_ids, data.topk_logprobs):
         h.update(np.ascontiguousarray(a).tobytes())
-    data.info = {"data": str(path), "recipe": rec, "sequences": data.n, "tokens": int(len(data.tokens)),
-                 "generated_tokens": int(glens.sum()), "sha256": h.hexdigest(), "top_k": rec["top_k"]}
+    data.info = {
+        "data": str(path),
+        "recipe": rec,
+        "sequences": data.n,
+        "tokens": int(len(data.tokens)),
+        "generated_tokens": int(glens.sum()),
+        "sha256": h.hexdigest(),
+        "top_k": rec["top_k"],
+    }
     return data

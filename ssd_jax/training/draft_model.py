@@ -85,13 +85,19 @@ def init_layer_indices(mode: str, target_layers: int, depth: int) -> list[int] |
     try:
         idx = [int(x) for x in m.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--init-layers must be {', '.join(INIT_MODES)} or a list of layer indices, got {mode!r}") from None
+        raise UserError(
+            f"--init-layers must be {', '.join(INIT_MODES)} or a list of layer indices, got {mode!r}"
+        ) from None
     if len(idx) != depth or any(not 0 <= i < target_layers for i in idx):
-        raise UserError(f"--init-layers {mode!r}: need {depth} indices in [0, {target_layers}) for this draft")
+        raise UserError(
+            f"--init-layers {mode!r}: need {depth} indices in [0, {target_layers}) for this draft"
+        )
     return idx
 
 
-def init_trained(target_params, target_cfg: ModelConfig, cfg: ModelConfig, mode: str, seed: int) -> dict[str, Any]:
+def init_trained(
+    target_params, target_cfg: ModelConfig, cfg: ModelConfig, mode: str, seed: int
+) -> dict[str, Any]:
     """The draft's trainable pytree ``{"layers": [...], "final_norm"}`` (fresh buffers, float32)."""
     import jax.numpy as jnp
 
@@ -102,5 +108,8 @@ def init_trained(target_params, target_cfg: ModelConfig, cfg: ModelConfig, mode:
         rnd = init_params(cfg.replace(dtype="float32"), seed)
         layers = rnd["layers"]
     else:
-        layers = [{k: jnp.array(v, jnp.float32, copy=True) for k, v in target_params["layers"][i].items()} for i in idx]
+        layers = [
+            {k: jnp.array(v, jnp.float32, copy=True) for k, v in target_params["layers"][i].items()}
+            for i in idx
+        ]
     return {"layers": layers, "final_norm": jnp.array(target_params["final_norm"], jnp.float32, copy=True)}

@@ -83,7 +83,9 @@ def train(
     args = args.resolved()
     run = RunDir(args.out, args.keep)
     if run.has_run() and not args.resume:
-        raise UserError(f"{run.path} already holds a training run: pass --resume to continue it or choose another --out")
+        raise UserError(
+            f"{run.path} already holds a training run: pass --resume to continue it or choose another --out"
+        )
 
     # checkpoint layout: drafts are saved and share tensors in it (ssd_jax.loading.draft)
     target = load_model(args.target, dtype=args.dtype, forms="canonical")
@@ -100,8 +102,10 @@ def train(
         corpus.info = {**corpus.info, "data": args.data, "train": distill.info}
         n_long = int((np.diff(distill.offsets) > args.seq_len + 1).sum())
         if n_long:
-            log(f"{n_long} of {distill.n} distillation sequences are longer than --seq-len + 1 = {args.seq_len + 1}: "
-                f"their prompts lose their start (the target saw the whole prompt)")
+            log(
+                f"{n_long} of {distill.n} distillation sequences are longer than --seq-len + 1 = {args.seq_len + 1}: "
+                f"their prompts lose their start (the target saw the whole prompt)"
+            )
     corpus = corpus or build_corpus(args, target.tokenizer)
     shared = shared_names(tcfg)
     frozen = {
@@ -126,7 +130,10 @@ def train(
         "params": {**pr, "law": law},
         "init": {"layers": init_idx, "final_norm": "target", "mode": args.init_layers},
         "train": {
-            "args": {k: getattr(args, k) for k in (*RESUME_KEYS, "target", "size", "eval_every", "eval_windows", "save_every")},
+            "args": {
+                k: getattr(args, k)
+                for k in (*RESUME_KEYS, "target", "size", "eval_every", "eval_windows", "save_every")
+            },
             "data": corpus.info,
             "data_seed": args.seed,
         },
@@ -184,7 +191,9 @@ def train(
             log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
         train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
         frozen_step = {k: v for k, v in frozen.items() if k != "target"}
-        next_batch = lambda step: distill_batch(distill, step, args.seed, args.batch_size, args.seq_len, args.pack)
+        next_batch = lambda step: distill_batch(
+            distill, step, args.seed, args.batch_size, args.seq_len, args.pack
+        )
     else:
         train_step = make_train_step(cfg, tcfg, args.loss, opt)
         frozen_step = frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None}
@@ -205,12 +214,17 @@ def train(
         best = meta.get("best")
         if best is not None and best.get("alpha") is not None and m["alpha"] <= best["alpha"]:
             return
-        meta["best"] = {"step": step, **_finite({k: m[k] for k in ("alpha", "greedy_match", "ppl", "target_ppl", "kl")})}
+        meta["best"] = {
+            "step": step,
+            **_finite({k: m[k] for k in ("alpha", "greedy_match", "ppl", "target_ppl", "kl")}),
+        }
         bmeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
         bmeta.pop("evals", None)
         run.export(run.best_dir, params, bmeta)
 
-    def snapshot(step: int, m: dict[str, Any]) -> None:  # --keep-evals: the draft at this eval, for learning curves
+    def snapshot(
+        step: int, m: dict[str, Any]
+    ) -> None:  # --keep-evals: the draft at this eval, for learning curves
         if args.keep_evals:
             smeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
             smeta.pop("evals", None)
@@ -254,7 +268,9 @@ def train(
                 )
             recent = times[-20:]
             tps = tokens_per_step / (sum(recent) / len(recent)) if recent else float("nan")
-            post = f"loss {metrics['loss']:.4f}" + (f" a {metrics['alpha']:.3f}" if "alpha" in metrics else "")
+            post = f"loss {metrics['loss']:.4f}" + (
+                f" a {metrics['alpha']:.3f}" if "alpha" in metrics else ""
+            )
             bar.set_postfix_str(f"{post} {tps:,.0f} tok/s", refresh=False)
             bar.update(1)
             is_eval = bool(args.eval_every) and done % args.eval_every == 0
@@ -286,4 +302,11 @@ def train(
         except OSError:
             pass
         run.close()
-    return {"out": str(run.path), "step": meta["step"], "eval": last_eval, "best": meta["best"], "timing": timing, "meta": meta}
+    return {
+        "out": str(run.path),
+        "step": meta["step"],
+        "eval": last_eval,
+        "best": meta["best"],
+        "timing": timing,
+        "meta": meta,
+    }

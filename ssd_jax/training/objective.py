@@ -37,8 +37,14 @@ def causal_hidden(params, cfg: ModelConfig, tokens_BxT, positions_BxT=None, segm
     if segments_BxT is not None:
         same_BxTxT = segments_BxT[:, :, None] == segments_BxT[:, None, :]
         mask_BxTxT = same_BxTxT & jnp.tril(jnp.ones((T, T), bool))[None]
-    hidden_BxTxD, _ = llama.forward(params, cfg, tokens_BxT, llama.init_cache(cfg, B, T),
-                                    positions_BxT=positions_BxT, mask_BxTxS=mask_BxTxT)
+    hidden_BxTxD, _ = llama.forward(
+        params,
+        cfg,
+        tokens_BxT,
+        llama.init_cache(cfg, B, T),
+        positions_BxT=positions_BxT,
+        mask_BxTxS=mask_BxTxT,
+    )
     return hidden_BxTxD
 
 
@@ -121,7 +127,9 @@ def _optimizer(lr: float, warmup: int, steps: int, weight_decay: float, clip: fl
 def global_norm(tree):
     import optax
 
-    tree_norm = getattr(getattr(optax, "tree", None), "norm", None)  # optax >= 0.2.5; global_norm is deprecated
+    tree_norm = getattr(
+        getattr(optax, "tree", None), "norm", None
+    )  # optax >= 0.2.5; global_norm is deprecated
     return tree_norm(tree) if tree_norm is not None else optax.global_norm(tree)
 
 

@@ -63,7 +63,6 @@ and SSD decode tok/s in the results from those constants plus the measured accep
 cache-hit rates, and reports predicted against measured.
 """
 
-
 from ssd_jax.analysis.perfmodel.calibrate import (
     QUIET_LOAD,
     ForwardSample,

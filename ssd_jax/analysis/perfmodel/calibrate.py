@@ -46,7 +46,9 @@ class ForwardSample:
     source: str = ""
 
 
-def fit_forward(hw: Hardware, samples: list[ForwardSample], *, fit_flops: bool = True) -> tuple[Hardware, dict]:
+def fit_forward(
+    hw: Hardware, samples: list[ForwardSample], *, fit_flops: bool = True
+) -> tuple[Hardware, dict]:
     """Fit the forward-time constants of ``hw`` to measured forward passes.
 
     1. 1-token samples: ``t = step_overhead + W/(BW·bw_eff)`` by least squares over models
@@ -62,8 +64,12 @@ def fit_forward(hw: Hardware, samples: list[ForwardSample], *, fit_flops: bool =
     ones = [s for s in samples if s.batch * s.tokens == 1]
     multi = [s for s in samples if s.batch * s.tokens > 1]
     if ones:
-        x = np.array([(s.model.weight_bytes(it) + s.context * s.model.kv_bytes_per_token(it)) / (hw.hbm_gb_s * 1e9)
-                      for s in ones])
+        x = np.array(
+            [
+                (s.model.weight_bytes(it) + s.context * s.model.kv_bytes_per_token(it)) / (hw.hbm_gb_s * 1e9)
+                for s in ones
+            ]
+        )
         y = np.array([s.seconds for s in ones])
         if len({s.model.name for s in ones}) >= 2:
             A = np.stack([np.ones_like(x), x], axis=1)
@@ -83,8 +89,12 @@ def fit_forward(hw: Hardware, samples: list[ForwardSample], *, fit_flops: bool =
             # (t - c)·FLOPS / 2N = (x + m_half) / flop_eff with x = M + attention FLOPs / 2N
             attn = 4.0 * s.batch * s.tokens * s.context * s.model.layers * s.model.heads * s.model.head_dim
             two_n = 2.0 * s.model.weight_params
-            comp.append((s.batch * s.tokens + attn / two_n,
-                         (s.seconds - hw.step_overhead_s) * hw.peak_tflops * 1e12 / two_n))
+            comp.append(
+                (
+                    s.batch * s.tokens + attn / two_n,
+                    (s.seconds - hw.step_overhead_s) * hw.peak_tflops * 1e12 / two_n,
+                )
+            )
     rep["compute_side_samples"] = len(comp)
     if comp:
         Ms = np.array([c[0] for c in comp], float)
@@ -99,9 +109,14 @@ def fit_forward(hw: Hardware, samples: list[ForwardSample], *, fit_flops: bool =
             rep["fitted"] += ["m_half"]
             rep["kept"] += ["flop_eff"]
     rep["residuals"] = [
-        {"model": s.model.name, "batch": s.batch, "tokens": s.tokens, "measured_s": s.seconds,
-         "predicted_s": forward_time(hw, s.model, batch=s.batch, tokens=s.tokens, context=s.context).total,
-         "source": s.source}
+        {
+            "model": s.model.name,
+            "batch": s.batch,
+            "tokens": s.tokens,
+            "measured_s": s.seconds,
+            "predicted_s": forward_time(hw, s.model, batch=s.batch, tokens=s.tokens, context=s.context).total,
+            "source": s.source,
+        }
         for s in samples
     ]
     return hw, rep
@@ -149,13 +164,22 @@ def calibrate_from_results(results: list[dict], hw: Hardware) -> tuple[Hardware,
     if not comp_rows:
         for res in results:
             if res.get("suite") in ("sd", "ssd"):
-                comp_rows += [(res, r) for r in res["rows"] if r.get("method", "").startswith("sd")
-                              and r.get("batch_size", 1) == 1 and r.get("verify_steps")]
+                comp_rows += [
+                    (res, r)
+                    for r in res["rows"]
+                    if r.get("method", "").startswith("sd")
+                    and r.get("batch_size", 1) == 1
+                    and r.get("verify_steps")
+                ]
         comp_src = "SD rows (batch 1): verify_s, sample_s, overhead_s per round (no n-gram rows given)"
     if comp_rows:
         host = median([r["overhead_s"] / r["verify_steps"] for _, r in comp_rows])
-        spl = median([r["sample_s"] / r["verify_steps"] / ((r["k"] + 1) * model_shape(res["target"]).vocab)
-                       for res, r in comp_rows])
+        spl = median(
+            [
+                r["sample_s"] / r["verify_steps"] / ((r["k"] + 1) * model_shape(res["target"]).vocab)
+                for res, r in comp_rows
+            ]
+        )
         hw = hw.replace(host_overhead_s=host, sample_s_per_logit=spl)
         report["components_from"] = f"{comp_src} ({len(comp_rows)} rows)"
     samples: list[ForwardSample] = []
@@ -170,9 +194,16 @@ def calibrate_from_results(results: list[dict], hw: Hardware) -> tuple[Hardware,
             samples += forward_samples(res)
     for res, r in comp_rows:
         m = model_shape(res["target"])
-        samples.append(ForwardSample(m, 1, r["k"] + 1, r.get("prompt_tokens", 0) + r["generated_tokens"] / 2,
-                                     r["verify_s"] / r["verify_steps"],
-                                     f"{Path(res['_path']).name}: {r['method']} verify"))
+        samples.append(
+            ForwardSample(
+                m,
+                1,
+                r["k"] + 1,
+                r.get("prompt_tokens", 0) + r["generated_tokens"] / 2,
+                r["verify_s"] / r["verify_steps"],
+                f"{Path(res['_path']).name}: {r['method']} verify",
+            )
+        )
     hw, rep = fit_forward(hw, samples)
     report.update(rep)
     return hw, report
@@ -182,14 +213,27 @@ def forward_samples(res: dict) -> list[ForwardSample]:
     out = []
     for r in res["rows"]:
         m = ModelShape.from_config(r["model"], ModelConfig.from_dict(r["config"]))
-        out.append(ForwardSample(m, r["batch"], r["tokens"], r["context"], r["seconds"],
-                                 f"{Path(res.get('_path', 'forward')).name}: forward"))
+        out.append(
+            ForwardSample(
+                m,
+                r["batch"],
+                r["tokens"],
+                r["context"],
+                r["seconds"],
+                f"{Path(res.get('_path', 'forward')).name}: forward",
+            )
+        )
     return out
 
 
 def group_key(r: dict) -> tuple:
-    return (r.get("suite", ""), r.get("category", ""), float(r.get("temperature", 0.0) or 0.0),
-            int(r.get("batch_size", 1)), r["method"])
+    return (
+        r.get("suite", ""),
+        r.get("category", ""),
+        float(r.get("temperature", 0.0) or 0.0),
+        int(r.get("batch_size", 1)),
+        r["method"],
+    )
 
 
 def method_kind(r: dict) -> str:
@@ -231,16 +275,32 @@ def predict_row(hw: Hardware, res: dict, r: dict, *, iid_alpha: bool = False) ->
     dev = r.get("devices") or {}
     shared = bool(dev.get("single_device", True)) or hw.shared_draft
     calls = r.get("fallback_calls") or {}
-    backup = "neural" if r.get("backup", "neural") == "neural" or (
-        r.get("backup") == "auto" and calls.get("neural", 0) >= calls.get("ngram", 0)) else "fast"
+    backup = (
+        "neural"
+        if r.get("backup", "neural") == "neural"
+        or (r.get("backup") == "auto" and calls.get("neural", 0) >= calls.get("ngram", 0))
+        else "fast"
+    )
     p_hit = float(r["cache_hit_rate"])
     t_hit = r["tau_hit"] if r.get("tau_hit") else tau
     t_miss = r["tau_miss"] if r.get("tau_miss") else tau
     if iid_alpha:
         t_hit = t_miss = expected_tokens(r["acceptance_rate"], k)
-    return predict_ssd(hw, target, draft, k=k, fan_budget=budget, p_hit=p_hit, tau_hit=t_hit, tau_miss=t_miss,
-                       backup=backup, batch=b, context=ctx, draft_devices=max(1, int(dev.get("draft", 1) or 1)),
-                       shared=shared)
+    return predict_ssd(
+        hw,
+        target,
+        draft,
+        k=k,
+        fan_budget=budget,
+        p_hit=p_hit,
+        tau_hit=t_hit,
+        tau_miss=t_miss,
+        backup=backup,
+        batch=b,
+        context=ctx,
+        draft_devices=max(1, int(dev.get("draft", 1) or 1)),
+        shared=shared,
+    )
 
 
 def validate(paths: list[str], hw: Hardware | None = None) -> dict:
@@ -291,15 +351,30 @@ def validate(paths: list[str], hw: Hardware | None = None) -> dict:
     out = []
     for key, g in groups.items():
         meas, pred = g["dtok"] / g["dwall"], g["dtok"] / g["pwall"]
-        row = {"file": key[0], "part": key[1], "category": key[2], "temperature": key[3], "batch": key[4],
-               "method": key[5], "kind": g["kind"], "n": int(g["n"]), "measured": meas, "predicted": pred,
-               "rel_err": pred / meas - 1.0, "load": g["load"] / g["n"],
-               "fitted": g["kind"] == "ngram" and key[4] == 1}
+        row = {
+            "file": key[0],
+            "part": key[1],
+            "category": key[2],
+            "temperature": key[3],
+            "batch": key[4],
+            "method": key[5],
+            "kind": g["kind"],
+            "n": int(g["n"]),
+            "measured": meas,
+            "predicted": pred,
+            "rel_err": pred / meas - 1.0,
+            "load": g["load"] / g["n"],
+            "fitted": g["kind"] == "ngram" and key[4] == 1,
+        }
         if g.get("pwall_iid"):
             row["predicted_iid_alpha"] = g["dtok"] / g["pwall_iid"]
         if g.get("steps"):
-            row.update(m_verify_round=g["m_verify"] / g["steps"], p_verify_round=g["p_verify"] / g["steps"],
-                       m_draft_round=g["m_draft"] / g["steps"], p_draft_round=g["p_draft"] / g["steps"])
+            row.update(
+                m_verify_round=g["m_verify"] / g["steps"],
+                p_verify_round=g["p_verify"] / g["steps"],
+                m_draft_round=g["m_draft"] / g["steps"],
+                p_draft_round=g["p_draft"] / g["steps"],
+            )
         out.append(row)
     idx = {(r["file"], r["part"], r["category"], r["temperature"], r["batch"], r["method"]): r for r in out}
     for r in out:
@@ -308,13 +383,29 @@ def validate(paths: list[str], hw: Hardware | None = None) -> dict:
             r["m_vs_ar"], r["p_vs_ar"] = r["measured"] / base["measured"], r["predicted"] / base["predicted"]
             r["ratio_err"] = r["p_vs_ar"] / r["m_vs_ar"] - 1.0
         if r["kind"] == "ssd":
-            sd = [x for x in out if x["kind"] == "sd" and (x["file"], x["part"], x["category"], x["temperature"],
-                                                          x["batch"]) == (r["file"], r["part"], r["category"],
-                                                                          r["temperature"], r["batch"])]
+            sd = [
+                x
+                for x in out
+                if x["kind"] == "sd"
+                and (x["file"], x["part"], x["category"], x["temperature"], x["batch"])
+                == (r["file"], r["part"], r["category"], r["temperature"], r["batch"])
+            ]
             if sd:
-                r["m_vs_sd"], r["p_vs_sd"] = r["measured"] / sd[0]["measured"], r["predicted"] / sd[0]["predicted"]
-    out.sort(key=lambda r: (r["file"], r["part"], r["batch"], r["category"], r["temperature"],
-                            ["ar", "sd", "ngram", "ssd"].index(r["kind"]), r["method"]))
+                r["m_vs_sd"], r["p_vs_sd"] = (
+                    r["measured"] / sd[0]["measured"],
+                    r["predicted"] / sd[0]["predicted"],
+                )
+    out.sort(
+        key=lambda r: (
+            r["file"],
+            r["part"],
+            r["batch"],
+            r["category"],
+            r["temperature"],
+            ["ar", "sd", "ngram", "ssd"].index(r["kind"]),
+            r["method"],
+        )
+    )
     return {"hardware": dataclasses.asdict(hw), "calibration": cal, "groups": out, "summary": _summary(out)}
 
 
@@ -333,13 +424,20 @@ def _summary(groups: list[dict]) -> list[dict]:
             e = np.array([g["rel_err"] for g in gs])
             re_ = np.array([g["ratio_err"] for g in gs if "ratio_err" in g])
             quiet = np.array([g["rel_err"] for g in gs if g["load"] <= QUIET_LOAD])
-            rows.append({"kind": kind, "batch": "1" if b1 else ">1", "groups": len(gs),
-                         "fitted": any(g["fitted"] for g in gs),
-                         "mean_abs_err": float(np.mean(np.abs(e))), "mean_err": float(np.mean(e)),
-                         "max_abs_err": float(np.max(np.abs(e))),
-                         "ratio_mean_abs_err": float(np.mean(np.abs(re_))) if re_.size else None,
-                         "quiet_groups": int(quiet.size),
-                         "quiet_mean_abs_err": float(np.mean(np.abs(quiet))) if quiet.size else None})
+            rows.append(
+                {
+                    "kind": kind,
+                    "batch": "1" if b1 else ">1",
+                    "groups": len(gs),
+                    "fitted": any(g["fitted"] for g in gs),
+                    "mean_abs_err": float(np.mean(np.abs(e))),
+                    "mean_err": float(np.mean(e)),
+                    "max_abs_err": float(np.max(np.abs(e))),
+                    "ratio_mean_abs_err": float(np.mean(np.abs(re_))) if re_.size else None,
+                    "quiet_groups": int(quiet.size),
+                    "quiet_mean_abs_err": float(np.mean(np.abs(quiet))) if quiet.size else None,
+                }
+            )
     return rows
 
 

@@ -68,32 +68,94 @@ class Hardware:
 # the achieved GEMM fraction.
 _H100_BW_EFF = 0.85
 _VLLM_8B_FWD_S, _VLLM_8B_PER_TOKEN_S, _VLLM_HOST_S = 5.9e-3, 21e-6, 1.2e-3
-_H100_STEP_S = _VLLM_8B_FWD_S - weight_bytes_per_token(MODEL_CONFIGS["llama-3.1-8b"], 2) / (3350e9 * _H100_BW_EFF)
+_H100_STEP_S = _VLLM_8B_FWD_S - weight_bytes_per_token(MODEL_CONFIGS["llama-3.1-8b"], 2) / (
+    3350e9 * _H100_BW_EFF
+)
 _H100_FLOP_EFF = 2 * weight_bytes_per_token(MODEL_CONFIGS["llama-3.1-8b"], 1) / _VLLM_8B_PER_TOKEN_S / 989e12
-_GPU_NOTE = (f"bw_eff {_H100_BW_EFF} assumed; step overhead {_H100_STEP_S * 1e3:.2f} ms and flop_eff "
-             f"{_H100_FLOP_EFF:.2f} derived from the vLLM study's H100 latency model (REFERENCE §4); host "
-             f"{_VLLM_HOST_S * 1e3:.1f} ms per round from the same study; all-reduce latency 10 µs assumed")
+_GPU_NOTE = (
+    f"bw_eff {_H100_BW_EFF} assumed; step overhead {_H100_STEP_S * 1e3:.2f} ms and flop_eff "
+    f"{_H100_FLOP_EFF:.2f} derived from the vLLM study's H100 latency model (REFERENCE §4); host "
+    f"{_VLLM_HOST_S * 1e3:.1f} ms per round from the same study; all-reduce latency 10 µs assumed"
+)
 
 HARDWARE: dict[str, Hardware] = {
-    "h100-sxm": Hardware("H100-SXM", 3350, 989, 80, _H100_STEP_S, _VLLM_HOST_S, 450, 10e-6, _H100_BW_EFF,
-                         _H100_FLOP_EFF, source="spec sheet (HBM3 3.35 TB/s, 989 TFLOP/s bf16 dense, NVLink4 "
-                         "900 GB/s both ways); " + _GPU_NOTE),
-    "h200": Hardware("H200", 4800, 989, 141, _H100_STEP_S, _VLLM_HOST_S, 450, 10e-6, _H100_BW_EFF, _H100_FLOP_EFF,
-                     source="spec sheet (HBM3e 4.8 TB/s, same compute as H100); efficiencies and overheads as "
-                     "H100 until experiments/gpu_check.sh measures them"),
-    "a100-80gb": Hardware("A100-80GB", 2039, 312, 80, _H100_STEP_S, _VLLM_HOST_S, 300, 10e-6, _H100_BW_EFF,
-                          _H100_FLOP_EFF, source="spec sheet (HBM2e 2.04 TB/s, 312 TFLOP/s bf16, NVLink3 600 GB/s "
-                          "both ways); efficiencies and overheads as H100 (assumed)"),
-    "tpu-v5e": Hardware("TPU v5e", 819, 197, 16, _H100_STEP_S, _VLLM_HOST_S, 100, 10e-6, _H100_BW_EFF, 0.6,
-                        source="spec sheet (819 GB/s HBM2, 197 TFLOP/s bf16, 16 GB, ICI 1600 Gbps); flop_eff 0.6, "
-                        "overheads as H100 (assumed)"),
+    "h100-sxm": Hardware(
+        "H100-SXM",
+        3350,
+        989,
+        80,
+        _H100_STEP_S,
+        _VLLM_HOST_S,
+        450,
+        10e-6,
+        _H100_BW_EFF,
+        _H100_FLOP_EFF,
+        source="spec sheet (HBM3 3.35 TB/s, 989 TFLOP/s bf16 dense, NVLink4 "
+        "900 GB/s both ways); " + _GPU_NOTE,
+    ),
+    "h200": Hardware(
+        "H200",
+        4800,
+        989,
+        141,
+        _H100_STEP_S,
+        _VLLM_HOST_S,
+        450,
+        10e-6,
+        _H100_BW_EFF,
+        _H100_FLOP_EFF,
+        source="spec sheet (HBM3e 4.8 TB/s, same compute as H100); efficiencies and overheads as "
+        "H100 until experiments/gpu_check.sh measures them",
+    ),
+    "a100-80gb": Hardware(
+        "A100-80GB",
+        2039,
+        312,
+        80,
+        _H100_STEP_S,
+        _VLLM_HOST_S,
+        300,
+        10e-6,
+        _H100_BW_EFF,
+        _H100_FLOP_EFF,
+        source="spec sheet (HBM2e 2.04 TB/s, 312 TFLOP/s bf16, NVLink3 600 GB/s "
+        "both ways); efficiencies and overheads as H100 (assumed)",
+    ),
+    "tpu-v5e": Hardware(
+        "TPU v5e",
+        819,
+        197,
+        16,
+        _H100_STEP_S,
+        _VLLM_HOST_S,
+        100,
+        10e-6,
+        _H100_BW_EFF,
+        0.6,
+        source="spec sheet (819 GB/s HBM2, 197 TFLOP/s bf16, 16 GB, ICI 1600 Gbps); flop_eff 0.6, "
+        "overheads as H100 (assumed)",
+    ),
     # this development CPU: bandwidth measured by the AR suite (experiments/results/ar_cpu.json);
     # peak = 2 vCPU x 2.45 GHz x 32 f32 FLOP/cycle (AVX2, two FMA pipes), assumed. The efficiency
     # and overhead values are priors: validate() refits them on the measured results.
-    "cpu": Hardware("this CPU (2 cores, f32)", 21.6, 0.157, 24, 5e-3, 1e-3, 1e3, 0.0, 0.9, 0.6, m_half=18.0,
-                    sample_s_per_logit=2e-8, bytes_per_param=4, shared_draft=True,
-                    source="bandwidth 21.6 GB/s measured (ar_cpu.json); peak f32 157 GFLOP/s assumed; flop_eff "
-                    "0.6 assumed; other constants fitted by validate()"),
+    "cpu": Hardware(
+        "this CPU (2 cores, f32)",
+        21.6,
+        0.157,
+        24,
+        5e-3,
+        1e-3,
+        1e3,
+        0.0,
+        0.9,
+        0.6,
+        m_half=18.0,
+        sample_s_per_logit=2e-8,
+        bytes_per_param=4,
+        shared_draft=True,
+        source="bandwidth 21.6 GB/s measured (ar_cpu.json); peak f32 157 GFLOP/s assumed; flop_eff "
+        "0.6 assumed; other constants fitted by validate()",
+    ),
 }
 
 

@@ -11,9 +11,16 @@ from ssd_jax.analysis.perfmodel.shapes import MODEL_CONFIGS
 from ssd_jax.models.config import ModelConfig
 
 
-def measure_forward(names: list[str], *, dtype: str = "bfloat16", shapes=((1, 1), (1, 5), (1, 2048), (1, 512),
-                    (16, 1), (4, 5)), context: int = 128, repeats: int = 10, out: str | None = None,
-                    configs: dict[str, ModelConfig] | None = None) -> dict:
+def measure_forward(
+    names: list[str],
+    *,
+    dtype: str = "bfloat16",
+    shapes=((1, 1), (1, 5), (1, 2048), (1, 512), (16, 1), (4, 5)),
+    context: int = 128,
+    repeats: int = 10,
+    out: str | None = None,
+    configs: dict[str, ModelConfig] | None = None,
+) -> dict:
     """Time jitted forward passes (logits included) of synthetic-weight models on the default device.
 
     Weights are constants (timing does not depend on their values), so no checkpoint is
@@ -32,13 +39,23 @@ def measure_forward(names: list[str], *, dtype: str = "bfloat16", shapes=((1, 1)
 
     configs = configs or MODEL_CONFIGS
     dev = jax.devices()[0]
-    res = {"suite": "forward", "env": {"jax": jax.__version__, "backend": jax.default_backend(),
-                                       "device_kind": dev.device_kind, "dtype": dtype}, "rows": []}
+    res = {
+        "suite": "forward",
+        "env": {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device_kind": dev.device_kind,
+            "dtype": dtype,
+        },
+        "rows": [],
+    }
     params = {}
     for name in names:
         cfg = configs[name].replace(dtype=dtype)
-        flat = {k: jnp.full(shape, 1.0 if k.endswith("norm") else 0.01, cfg.jnp_dtype)
-                for k, (shape, _) in param_specs(cfg).items()}
+        flat = {
+            k: jnp.full(shape, 1.0 if k.endswith("norm") else 0.01, cfg.jnp_dtype)
+            for k, (shape, _) in param_specs(cfg).items()
+        }
         params[name] = (cfg, unflatten(cfg, flat))
     for b, T in shapes:
         for name in names:
@@ -60,9 +77,22 @@ def measure_forward(names: list[str], *, dtype: str = "bfloat16", shapes=((1, 1)
                 t0 = time.perf_counter()
                 f(p, cache, toks).block_until_ready()
                 ts.append(time.perf_counter() - t0)
-            res["rows"].append({"model": name, "config": cfg.to_dict(), "batch": b, "tokens": T, "context": context,
-                                "seconds": float(statistics.median(ts)), "seconds_all": ts, "compile_s": comp})
-            print(f"{name} b={b} T={T}: {float(statistics.median(ts)) * 1e3:.3f} ms (compile {comp:.1f} s)", file=sys.stderr)
+            res["rows"].append(
+                {
+                    "model": name,
+                    "config": cfg.to_dict(),
+                    "batch": b,
+                    "tokens": T,
+                    "context": context,
+                    "seconds": float(statistics.median(ts)),
+                    "seconds_all": ts,
+                    "compile_s": comp,
+                }
+            )
+            print(
+                f"{name} b={b} T={T}: {float(statistics.median(ts)) * 1e3:.3f} ms (compile {comp:.1f} s)",
+                file=sys.stderr,
+            )
             if out:
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(res, indent=1))

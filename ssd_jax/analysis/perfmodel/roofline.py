@@ -27,8 +27,9 @@ class ForwardTime:
         return "compute" if self.compute > self.memory else "memory"
 
 
-def forward_time(hw: Hardware, m: ModelShape, *, batch: int = 1, tokens: int = 1, context: float = 0.0,
-                 tp: int = 1) -> ForwardTime:
+def forward_time(
+    hw: Hardware, m: ModelShape, *, batch: int = 1, tokens: int = 1, context: float = 0.0, tp: int = 1
+) -> ForwardTime:
     """Seconds for one forward pass of ``batch`` rows x ``tokens`` new tokens at ``context``."""
     it = hw.bytes_per_param
     M = batch * tokens
@@ -90,7 +91,9 @@ def alpha_for_tokens(tau: float, k: int) -> float:
     return 0.5 * (lo + hi)
 
 
-def predict_ar(hw: Hardware, target: ModelShape, *, batch: int = 1, context: float = 512, tp: int = 1) -> Prediction:
+def predict_ar(
+    hw: Hardware, target: ModelShape, *, batch: int = 1, context: float = 512, tp: int = 1
+) -> Prediction:
     fwd = forward_time(hw, target, batch=batch, tokens=1, context=context, tp=tp).total
     over = hw.host_overhead_s + sample_time(hw, target, batch)
     t = fwd + over
@@ -106,10 +109,21 @@ def _draft_chain(hw, draft, k, batch, context, p_catch_up, per_step_sync):
     return p_catch_up * two + (1 - p_catch_up) * one + (k - 1) * one + k * (samp + sync)
 
 
-def predict_sd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, alpha: float | None = None,
-               tokens_per_round: float | None = None, p_catch_up: float | None = None, batch: int = 1,
-               context: float = 512, tp: int = 1, draft_hw: Hardware | None = None,
-               draft_loop: str = "fused") -> Prediction:
+def predict_sd(
+    hw: Hardware,
+    target: ModelShape,
+    draft: ModelShape,
+    *,
+    k: int,
+    alpha: float | None = None,
+    tokens_per_round: float | None = None,
+    p_catch_up: float | None = None,
+    batch: int = 1,
+    context: float = 512,
+    tp: int = 1,
+    draft_hw: Hardware | None = None,
+    draft_loop: str = "fused",
+) -> Prediction:
     """SD: K draft steps, then one verify of K+1 tokens. Give ``alpha`` or the measured ``tokens_per_round``.
 
     ``draft_loop``: "fused" (the K draft steps are one compiled program, as in ssd_jax) or
@@ -129,15 +143,38 @@ def predict_sd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, a
     t_ver = forward_time(hw, target, batch=batch, tokens=k + 1, context=context, tp=tp).total
     over = hw.host_overhead_s + sample_time(hw, target, batch * (k + 1))
     t = t_draft + t_ver + over
-    return Prediction("sd", tokens_per_round / t, batch, tp, tokens_per_round, t,
-                      {"draft": t_draft, "verify": t_ver, "overhead": over},
-                      {"k": k, "T_SD": t_draft / (t_ver + over), "draft_share": t_draft / t})
+    return Prediction(
+        "sd",
+        tokens_per_round / t,
+        batch,
+        tp,
+        tokens_per_round,
+        t,
+        {"draft": t_draft, "verify": t_ver, "overhead": over},
+        {"k": k, "T_SD": t_draft / (t_ver + over), "draft_share": t_draft / t},
+    )
 
 
-def predict_ssd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, fan_budget: int, p_hit: float,
-                tau_hit: float, tau_miss: float, backup: str = "neural", batch: int = 1, context: float = 512,
-                tp: int = 1, draft_devices: int = 1, shared: bool | None = None, draft_hw: Hardware | None = None,
-                draft_loop: str = "fused", t_fast: float = 0.0) -> Prediction:
+def predict_ssd(
+    hw: Hardware,
+    target: ModelShape,
+    draft: ModelShape,
+    *,
+    k: int,
+    fan_budget: int,
+    p_hit: float,
+    tau_hit: float,
+    tau_miss: float,
+    backup: str = "neural",
+    batch: int = 1,
+    context: float = 512,
+    tp: int = 1,
+    draft_devices: int = 1,
+    shared: bool | None = None,
+    draft_hw: Hardware | None = None,
+    draft_loop: str = "fused",
+    t_fast: float = 0.0,
+) -> Prediction:
     """SSD by Theorem 7 / Corollary 16 (``analysis.speedup.predicted_speedup``) with modelled component times.
 
     ``fan_budget``: branches per row (Σ F_k); ``backup``: "neural" (K draft steps on a miss)
@@ -151,10 +188,16 @@ def predict_ssd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, 
     over = hw.host_overhead_s + sample_time(hw, target, batch * (k + 1)) + handoff
     sync = dhw.host_overhead_s if draft_loop == "per_step" else 0.0
     per_dev = batch * fan_budget / max(1, draft_devices)
-    rerun = (forward_time(dhw, draft, batch=batch, tokens=k + 1, context=context).total
-             + sample_time(dhw, draft, batch * (k + 1)) + sync)
-    branch = (forward_time(dhw, draft, batch=batch, tokens=max(1, round(per_dev / batch)), context=context).total
-              + sample_time(dhw, draft, per_dev) + sync)
+    rerun = (
+        forward_time(dhw, draft, batch=batch, tokens=k + 1, context=context).total
+        + sample_time(dhw, draft, batch * (k + 1))
+        + sync
+    )
+    branch = (
+        forward_time(dhw, draft, batch=batch, tokens=max(1, round(per_dev / batch)), context=context).total
+        + sample_time(dhw, draft, per_dev)
+        + sync
+    )
     build = rerun + k * branch
     if backup == "neural":
         t_b = _draft_chain(dhw, draft, k, batch, context, 0.0, draft_loop == "per_step")
@@ -174,7 +217,21 @@ def predict_ssd(hw: Hardware, target: ModelShape, draft: ModelShape, *, k: int, 
     q = p_hit**batch
     exposed = (build if shared else q * max(0.0, build - u)) + (1 - q) * t_b
     devices = tp if shared else tp + draft_devices
-    return Prediction("ssd", tps, batch, devices, tokens, tokens / tps,
-                      {"verify": t_ver, "overhead": over, "build": build, "backup": t_b, "draft_exposed": exposed},
-                      {"k": k, "T_p": T_p, "T_b": T_b, "unit_s": unit, "speedup_units": S, "shared": shared,
-                       "build_hidden": (not shared) and build <= u})
+    return Prediction(
+        "ssd",
+        tps,
+        batch,
+        devices,
+        tokens,
+        tokens / tps,
+        {"verify": t_ver, "overhead": over, "build": build, "backup": t_b, "draft_exposed": exposed},
+        {
+            "k": k,
+            "T_p": T_p,
+            "T_b": T_b,
+            "unit_s": unit,
+            "speedup_units": S,
+            "shared": shared,
+            "build_hidden": (not shared) and build <= u,
+        },
+    )

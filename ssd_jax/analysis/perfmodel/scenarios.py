@@ -14,8 +14,14 @@ PAPER_TOKENS_PER_STEP = 5.47  # public reproduction, SSD K=7 (hit rate 0.88)
 PAPER_P_HIT = 0.86  # the paper, T = 0, geometric fan-out
 
 
-def predict_paper(hw: Hardware | None = None, *, context: float = 600.0, draft_loop: str = "fused",
-                  link_latency_s: float | None = None, host_overhead_s: float | None = None) -> dict:
+def predict_paper(
+    hw: Hardware | None = None,
+    *,
+    context: float = 600.0,
+    draft_loop: str = "fused",
+    link_latency_s: float | None = None,
+    host_overhead_s: float | None = None,
+) -> dict:
     """Llama-3.1-70B on 4 devices (tensor parallel), Llama-3.2-1B draft, batch 1, greedy.
 
     SSD: K=7, F=3 per position (24 branches), draft on a 5th device, neural backup,
@@ -33,16 +39,37 @@ def predict_paper(hw: Hardware | None = None, *, context: float = 600.0, draft_l
     ar = predict_ar(hw, T, context=context, tp=4)
     sd = predict_sd(hw, T, D, k=6, alpha=alpha, context=context, tp=4, draft_loop=draft_loop)
     e7 = expected_tokens(alpha, 7)
-    ssd = predict_ssd(hw, T, D, k=7, fan_budget=3 * 8, p_hit=PAPER_P_HIT, tau_hit=e7, tau_miss=e7, context=context,
-                      tp=4, draft_devices=1, shared=False, draft_loop=draft_loop)
+    ssd = predict_ssd(
+        hw,
+        T,
+        D,
+        k=7,
+        fan_budget=3 * 8,
+        p_hit=PAPER_P_HIT,
+        tau_hit=e7,
+        tau_miss=e7,
+        context=context,
+        tp=4,
+        draft_devices=1,
+        shared=False,
+        draft_loop=draft_loop,
+    )
     ssd_ceiling = (1 + sd.info["T_SD"]) * e7 / sd.tokens_per_round
-    return {"hardware": hw.name, "alpha": alpha, "fits": fits(hw, T, 4), "draft_loop": draft_loop,
-            "predictions": {"ar": ar, "sd": sd, "ssd": ssd}, "paper": PAPER, "reproduction": PAPER_REPRO,
-            "ssd_over_sd_ceiling": ssd_ceiling}
+    return {
+        "hardware": hw.name,
+        "alpha": alpha,
+        "fits": fits(hw, T, 4),
+        "draft_loop": draft_loop,
+        "predictions": {"ar": ar, "sd": sd, "ssd": ssd},
+        "paper": PAPER,
+        "reproduction": PAPER_REPRO,
+        "ssd_over_sd_ceiling": ssd_ceiling,
+    }
 
 
-def predict_qwen(hw: Hardware | None = None, *, results: list[dict] | None = None, batch: int = 1,
-                 context: float = 150.0) -> dict:
+def predict_qwen(
+    hw: Hardware | None = None, *, results: list[dict] | None = None, batch: int = 1, context: float = 150.0
+) -> dict:
     """Our Qwen2.5-Coder 1.5B target / 0.5B draft in bf16 on one H200 (shared) and on two (separate).
 
     Acceptance inputs: the measured CPU values of the results given (SD / SSD rows at K=4,
@@ -51,8 +78,13 @@ def predict_qwen(hw: Hardware | None = None, *, results: list[dict] | None = Non
     hw = hw or HARDWARE["h200"]
     T, D = model_shape("qwen2.5-coder-1.5b-instruct"), model_shape("qwen2.5-coder-0.5b-instruct")
     k, budget = 4, 10
-    acc = {"tau_sd": expected_tokens(0.7, k), "p_hit": 0.6, "tau_hit": expected_tokens(0.7, k),
-           "tau_miss": expected_tokens(0.7, k), "source": "assumed: alpha 0.7, p_hit 0.6"}
+    acc = {
+        "tau_sd": expected_tokens(0.7, k),
+        "p_hit": 0.6,
+        "tau_hit": expected_tokens(0.7, k),
+        "tau_miss": expected_tokens(0.7, k),
+        "source": "assumed: alpha 0.7, p_hit 0.6",
+    }
     sd_rows, ssd_rows = [], []
     for res in results or []:
         for r in res.get("rows", []):
@@ -60,10 +92,16 @@ def predict_qwen(hw: Hardware | None = None, *, results: list[dict] | None = Non
                 continue
             if method_kind(r) == "sd" and res.get("draft") == D.name:
                 sd_rows.append(r)
-            if method_kind(r) == "ssd" and res.get("draft") == D.name and r.get("backup", "neural") == "neural":
+            if (
+                method_kind(r) == "ssd"
+                and res.get("draft") == D.name
+                and r.get("backup", "neural") == "neural"
+            ):
                 ssd_rows.append(r)
     if sd_rows:
-        acc["tau_sd"] = sum(r["generated_tokens"] - 1 for r in sd_rows) / sum(r["verify_steps"] for r in sd_rows)
+        acc["tau_sd"] = sum(r["generated_tokens"] - 1 for r in sd_rows) / sum(
+            r["verify_steps"] for r in sd_rows
+        )
         acc["source"] = f"measured on the CPU: {len(sd_rows)} SD-K4 rows"
         acc["tau_hit"] = acc["tau_miss"] = acc["tau_sd"]
     if ssd_rows:
@@ -72,25 +110,42 @@ def predict_qwen(hw: Hardware | None = None, *, results: list[dict] | None = Non
         acc["p_hit"] = sum(hits) / (sum(hits) + sum(miss))
         # round-weighted, so that p·tau_hit + (1 − p)·tau_miss is the measured tokens per round
         acc["tau_hit"] = sum(r["tau_hit"] * h for r, h in zip(ssd_rows, hits)) / max(sum(hits), 1e-9)
-        acc["tau_miss"] = (sum(r["tau_miss"] * m for r, m in zip(ssd_rows, miss)) / sum(miss) if sum(miss) > 0
-                           else acc["tau_hit"])
+        acc["tau_miss"] = (
+            sum(r["tau_miss"] * m for r, m in zip(ssd_rows, miss)) / sum(miss)
+            if sum(miss) > 0
+            else acc["tau_hit"]
+        )
         acc["source"] += f", {len(ssd_rows)} SSD-K4 rows (hit rate, tau hit / miss)"
     ar = predict_ar(hw, T, batch=batch, context=context)
     sd = predict_sd(hw, T, D, k=k, tokens_per_round=acc["tau_sd"], batch=batch, context=context)
-    kw = dict(k=k, fan_budget=budget, p_hit=acc["p_hit"], tau_hit=acc["tau_hit"], tau_miss=acc["tau_miss"],
-              batch=batch, context=context)
+    kw = dict(
+        k=k,
+        fan_budget=budget,
+        p_hit=acc["p_hit"],
+        tau_hit=acc["tau_hit"],
+        tau_miss=acc["tau_miss"],
+        batch=batch,
+        context=context,
+    )
     one = predict_ssd(hw, T, D, shared=True, **kw)
     two = predict_ssd(hw, T, D, shared=False, draft_devices=1, **kw)
     one.method, two.method = "ssd (1 device)", "ssd (2 devices)"
-    return {"hardware": hw.name, "batch": batch, "acceptance": acc,
-            "predictions": {"ar": ar, "sd": sd, "ssd1": one, "ssd2": two}}
+    return {
+        "hardware": hw.name,
+        "batch": batch,
+        "acceptance": acc,
+        "predictions": {"ar": ar, "sd": sd, "ssd1": one, "ssd2": two},
+    }
 
 
 def paper_sensitivity(hw: Hardware) -> list[dict]:
     base = predict_paper(hw)
     return [
         {"label": "baseline (as above)", "d": base},
-        {"label": "draft loop: host round trip per draft step", "d": predict_paper(hw, draft_loop="per_step")},
+        {
+            "label": "draft loop: host round trip per draft step",
+            "d": predict_paper(hw, draft_loop="per_step"),
+        },
         {"label": "all-reduce latency 20 µs (NCCL-like)", "d": predict_paper(hw, link_latency_s=20e-6)},
         {"label": "all-reduce latency 5 µs", "d": predict_paper(hw, link_latency_s=5e-6)},
         {"label": "host overhead 0.3 ms per round", "d": predict_paper(hw, host_overhead_s=0.3e-3)},

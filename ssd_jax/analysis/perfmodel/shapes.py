@@ -16,8 +16,15 @@ from ssd_jax.models.params import count_params, weight_bytes_per_token
 
 
 def _llama_8b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128)
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +43,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig) -> ModelShape:
-        return cls(name, count_params(cfg), weight_bytes_per_token(cfg, 1), cfg.num_layers, cfg.hidden_size,
-                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+        return cls(
+            name,
+            count_params(cfg),
+            weight_bytes_per_token(cfg, 1),
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.vocab_size,
+        )
 
     def weight_bytes(self, itemsize: int) -> float:
         return float(self.weight_params) * itemsize
@@ -49,19 +65,58 @@ class ModelShape:
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     # as loaded by ssd_jax (the GGUFs carry a separate output head); parameter counts match
     # experiments/results/ar_cpu.json
-    "qwen2.5-coder-1.5b-instruct": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536,
-                                               intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
-                                               head_dim=128, qkv_bias=True),
-    "qwen2.5-coder-0.5b-instruct": ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=896,
-                                               intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                                               head_dim=64, qkv_bias=True),
-    "smollm2-135m-instruct": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                         num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True),
+    "qwen2.5-coder-1.5b-instruct": ModelConfig(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        qkv_bias=True,
+    ),
+    "qwen2.5-coder-0.5b-instruct": ModelConfig(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        qkv_bias=True,
+    ),
+    "smollm2-135m-instruct": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        tie_embeddings=True,
+    ),
     # the SSD paper's pair (published configs)
-    "llama-3.1-70b": ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
-                                 num_heads=64, num_kv_heads=8, head_dim=128),
-    "llama-3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-                                num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True),
+    "llama-3.1-70b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        tie_embeddings=True,
+    ),
     "llama-3.1-8b": _llama_8b(),
 }
 

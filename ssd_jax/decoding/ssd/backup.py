@@ -11,8 +11,9 @@ from ssd_jax.analysis.perfmodel import ModelShape, forward_time, hardware_for_de
 from ssd_jax.decoding.ssd import fanout as fo
 
 
-def backup_cost_estimate(target_cfg, draft_cfg, *, batch: int, k: int, budget: int, draft_devices: int,
-                         context: float, device) -> dict:
+def backup_cost_estimate(
+    target_cfg, draft_cfg, *, batch: int, k: int, budget: int, draft_devices: int, context: float, device
+) -> dict:
     """Build, neural re-draft and fast-backup times in units of one target verify, from the roofline model.
 
     Made once, before the first round, from the model shapes and the device kind (no clock is
@@ -36,7 +37,6 @@ def backup_cost_estimate(target_cfg, draft_cfg, *, batch: int, k: int, budget: i
     }
 
 
-
 class RunningMeans:
     """Running means with a prior (pseudo-count ``w``), for the backup decision's inputs."""
 
@@ -52,8 +52,9 @@ class RunningMeans:
         return self._sum[name] / self._n[name]
 
 
-
-def row_schedule(est: fo.FanoutEstimator, post_miss: bool, n_draft: int, K: int, M: int, uniform: bool) -> np.ndarray:
+def row_schedule(
+    est: fo.FanoutEstimator, post_miss: bool, n_draft: int, K: int, M: int, uniform: bool
+) -> np.ndarray:
     """Fan-out of one row: its schedule, restricted to the outcomes possible with n_draft proposals."""
     if n_draft >= K:
         return est.schedule(post_miss)
@@ -63,4 +64,3 @@ def row_schedule(est: fo.FanoutEstimator, post_miss: bool, n_draft: int, K: int,
     else:
         out[: n_draft + 1] = fo.geometric_fanout(est.a_post if post_miss else est.a, est.r, n_draft, M)
     return out
-

@@ -217,8 +217,10 @@ class FanoutEstimator:
             raise ValueError(f"mode must be 'geometric' or 'uniform', got {mode!r}")
         if mode == "uniform":
             if uniform_F is None or uniform_F * (K + 1) != budget:
-                raise ValueError(f"uniform mode needs budget == uniform_F*(K+1); got uniform_F={uniform_F}, "
-                                 f"K={K}, budget={budget}")
+                raise ValueError(
+                    f"uniform mode needs budget == uniform_F*(K+1); got uniform_F={uniform_F}, "
+                    f"K={K}, budget={budget}"
+                )
         if not 0.0 < a0 < 1.0:
             raise ValueError(f"a0 must be in (0, 1), got {a0}")
         if r0 <= 0 or prior_weight <= 0:

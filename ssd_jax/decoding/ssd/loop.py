@@ -54,10 +54,8 @@ def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-
 def _measure(iv) -> float:
     return sum(b - a for a, b in iv)
-
 
 
 def _intersection(x, y) -> float:
@@ -73,20 +71,19 @@ def _intersection(x, y) -> float:
     return tot
 
 
-
 def layout_table(est, K: int, M: int, uniform: bool):
     """Fan-out schedules and branch layouts for every row state (see :class:`.rounds.Control`)."""
-    sched = np.stack([est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)])
+    sched = np.stack(
+        [est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)]
+    )
     sched = sched.astype(np.int64)
     return (sched, *_branch_layouts(sched.tobytes(), sched.shape, M))
-
 
 
 @functools.lru_cache(maxsize=64)
 def _branch_layouts(sched_bytes: bytes, shape: tuple, M: int):
     """Branch layouts of a schedule table, cached: the schedules change rarely between rounds."""
     return fo.branch_layout(np.frombuffer(sched_bytes, np.int64).reshape(shape), M)
-
 
 
 def fanout_setup(spec, n_draft_devices: int = 1):
@@ -123,9 +120,14 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     greedy = sampling.temperature == 0
     tok = model.tokenizer
     opts = Opts(
-        k=K, budget=M, vocab=model.cfg.vocab_size,
+        k=K,
+        budget=M,
+        vocab=model.cfg.vocab_size,
         rand_vocab=tok.vocab_size if tok is not None else model.cfg.vocab_size,
-        needs_filter=sampling.needs_filter, greedy=greedy, c=float(spec.saguaro_c), tree_base=max_len,
+        needs_filter=sampling.needs_filter,
+        greedy=greedy,
+        c=float(spec.saguaro_c),
+        tree_base=max_len,
         mesh=None if pl.single else draft.mesh,
     )
     ctl = Control(k=K, budget=M, batch=B)
@@ -150,7 +152,9 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     if profiled and dist.multi_process():
         dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
     origin = time.perf_counter()
-    kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[spec.backup]
+    kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": ["neural", "host"]}[
+        spec.backup
+    ]
     first_kind = "random" if spec.backup == "random" else "neural"
     live = np.array([not r.done for r in rows])
     sched, kb_tab, rb_tab = layout_table(est, K, M, uniform)
@@ -172,7 +176,9 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     # with the exact shardings the loop will pass to advance
     tree0, dcache = prog["build"](draft.params, dcache, zB_d, sp0, pm0, step_d, kdraft, rs_d, ctrl_d)
     jax.block_until_ready(tree0)
-    if prog[f"first_{first_kind}"].compiles + prog["build"].compiles > n_compiles:  # else: no compile happened
+    if (
+        prog[f"first_{first_kind}"].compiles + prog["build"].compiles > n_compiles
+    ):  # else: no compile happened
         compile_s += time.perf_counter() - a
     spec_t0 = _to_target(sp0, pl)
     zB_t = tput(np.zeros(B, np.int32))
@@ -185,16 +191,35 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     outcome0 = dput(np.zeros((B, 3), np.int32))
     for kind in kinds:
         if fused and kind != "host":
-            compile_s += prog[f"round_{kind}"].precompile(target.params, tcache, draft.params, dcache, zB_t, sp0, pm0,
-                                                          nval_d, step_t, kverify, kdraft, rs_t, ctrl_d)
+            compile_s += prog[f"round_{kind}"].precompile(
+                target.params,
+                tcache,
+                draft.params,
+                dcache,
+                zB_t,
+                sp0,
+                pm0,
+                nval_d,
+                step_t,
+                kverify,
+                kdraft,
+                rs_t,
+                ctrl_d,
+            )
         else:
-            compile_s += prog[f"advance_{kind}"].precompile(draft.params, tree0, dcache, outcome0, dnval, step_d,
-                                                            kdraft, rs_d, ctrl_d, zK_d, zB_d)
+            compile_s += prog[f"advance_{kind}"].precompile(
+                draft.params, tree0, dcache, outcome0, dnval, step_d, kdraft, rs_d, ctrl_d, zK_d, zB_d
+            )
     if pl.bridge is not None:  # the loop's moves between processes are collectives: compile them now
         a = time.perf_counter()
         zi = np.zeros((B, K + 2), np.int32)
-        jax.block_until_ready([pl.to_draft(zB_t), pl.to_draft((tput(zi[:, :3]), tput(zi))),
-                               pl.to_target((_spec_only(sp0), dput(zi[:, :META])))])
+        jax.block_until_ready(
+            [
+                pl.to_draft(zB_t),
+                pl.to_draft((tput(zi[:, :3]), tput(zi))),
+                pl.to_target((_spec_only(sp0), dput(zi[:, :META]))),
+            ]
+        )
         compile_s += time.perf_counter() - a
     del tree0, sp0, pm0, spec_t0
 
@@ -216,8 +241,17 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     sp, pm, dcache = prog[f"first_{first_kind}"](draft.params, dcache, cur_d, kdraft, rs_d, ctrl_d)
     tl.record(f"fallback_{first_kind}", dlane, sp.tokens, round=0)
     history = batch.histories(first) if "host" in kinds else None
-    state = {"tcache": tcache, "dcache": dcache, "cur_t": cur_t, "cur_d": cur_d, "sp": sp, "pm": pm,
-             "step_t": step_t, "step_d": step_d, "sp_t": _to_target(sp, pl)}
+    state = {
+        "tcache": tcache,
+        "dcache": dcache,
+        "cur_t": cur_t,
+        "cur_d": cur_d,
+        "sp": sp,
+        "pm": pm,
+        "step_t": step_t,
+        "step_d": step_d,
+        "sp_t": _to_target(sp, pl),
+    }
 
     stats = AcceptanceStats(B, K)
     # the speculation verified next: where it came from (hit, fast fallback) and its length
@@ -225,15 +259,27 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
     meta_next[:, 1] = first_kind != "neural"
     meta_next[:, 2] = K
     meta_next[:, 3] = live
-    fallback_calls = {"neural": 1 if first_kind == "neural" else 0, "ngram": 0, "random": int(first_kind == "random")}
+    fallback_calls = {
+        "neural": 1 if first_kind == "neural" else 0,
+        "ngram": 0,
+        "random": int(first_kind == "random"),
+    }
     hits = np.zeros(B, np.int64)
     lookups = np.zeros(B, np.int64)
     tau = {"hit": [0, 0], "miss": [0, 0]}  # tokens, rounds
     # the backup decision's inputs: token statistics of this run (running means with a prior) and
     # stage costs estimated once from the model shapes, never from clocks (seeded runs reproduce)
     means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
-    costs = backup_cost_estimate(target.cfg, draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
-                                 context=max(n_valid) + sampling.max_new_tokens / 2, device=pl.draft_devices[0])
+    costs = backup_cost_estimate(
+        target.cfg,
+        draft.cfg,
+        batch=B,
+        k=K,
+        budget=M,
+        draft_devices=len(pl.draft_devices),
+        context=max(n_valid) + sampling.max_new_tokens / 2,
+        device=pl.draft_devices[0],
+    )
     b_star = None
     batch_all_hit = [0, 0]
     calls = [0]
@@ -242,8 +288,15 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         nonlocal b_star
         if spec.backup != "auto":
             return kinds[0]
-        b_star = fo.critical_batch_size(means["p_hit"], means["e_hit"], means["e_neural"], means["e_fast"],
-                                        costs["t_primary"], costs["t_neural"], costs["t_fast"])
+        b_star = fo.critical_batch_size(
+            means["p_hit"],
+            means["e_hit"],
+            means["e_neural"],
+            means["e_fast"],
+            costs["t_primary"],
+            costs["t_neural"],
+            costs["t_fast"],
+        )
         return "neural" if int(live.sum()) < b_star else "host"
 
     def dispatch(step: int, kind: str) -> dict:
@@ -253,8 +306,20 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         rnd = {"step": step, "kind": kind, "sched": sched, "processed": False}
         if fused and kind != "host":
             out, st["sp"], st["pm"], st["tcache"], st["dcache"], cur, st["step_t"] = prog[f"round_{kind}"](
-                target.params, st["tcache"], draft.params, st["dcache"], st["cur_t"], st["sp"], st["pm"], nval_d,
-                st["step_t"], kverify, kdraft, rs_t, ctrl)
+                target.params,
+                st["tcache"],
+                draft.params,
+                st["dcache"],
+                st["cur_t"],
+                st["sp"],
+                st["pm"],
+                nval_d,
+                st["step_t"],
+                kverify,
+                kdraft,
+                rs_t,
+                ctrl,
+            )
             st["cur_t"] = st["cur_d"] = cur
             st["step_d"] = st["step_t"]
             rnd["out"] = out
@@ -266,15 +331,18 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             tl.record("verify", tlane, logits, round=step)
         else:
             out, outcome, cur_t, st["tcache"], st["step_t"] = prog["verify"](
-                target.params, st["tcache"], st["cur_t"], spec_t, st["step_t"], kverify, rs_t)
+                target.params, st["tcache"], st["cur_t"], spec_t, st["step_t"], kverify, rs_t
+            )
             tl.record("verify", tlane, out, round=step)
         # draft: build the cache for the next round while the target verifies
-        tree, st["dcache"] = prog["build"](draft.params, st["dcache"], st["cur_d"], st["sp"], st["pm"], st["step_d"],
-                                           kdraft, rs_d, ctrl)
+        tree, st["dcache"] = prog["build"](
+            draft.params, st["dcache"], st["cur_d"], st["sp"], st["pm"], st["step_d"], kdraft, rs_d, ctrl
+        )
         tl.record("build", dlane, tree.tokens, round=step)
         if profiled:
-            out, outcome, cur_t, new_len, st["step_t"] = prog["sample"](kverify, st["step_t"], logits, spec_t, rs_t,
-                                                                        st["tcache"].lengths, st["cur_t"])
+            out, outcome, cur_t, new_len, st["step_t"] = prog["sample"](
+                kverify, st["step_t"], logits, spec_t, rs_t, st["tcache"].lengths, st["cur_t"]
+            )
             st["tcache"] = st["tcache"].with_lengths(new_len)
             tl.record("sample", tlane, cur_t, round=step)
         st["cur_t"] = cur_t
@@ -287,12 +355,24 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         if kind == "host":  # n-gram lookups need this round's tokens: read them now
             process(rnd, None)
             a = time.perf_counter()
-            ng, ng_n = ngram_proposals(history, K, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                       rows=np.flatnonzero(live))
+            ng, ng_n = ngram_proposals(
+                history, K, spec.prompt_lookup_min, spec.prompt_lookup_max, rows=np.flatnonzero(live)
+            )
             host_tok, host_n = dput(ng), dput(ng_n.astype(np.int32))
             tl.mark("ngram", hlane, round=step, start=a, end=time.perf_counter())
         st["sp"], st["pm"], meta, st["dcache"], st["cur_d"], st["step_d"] = prog[f"advance_{kind}"](
-            draft.params, tree, st["dcache"], outcome, dnval, st["step_d"], kdraft, rs_d, ctrl, host_tok, host_n)
+            draft.params,
+            tree,
+            st["dcache"],
+            outcome,
+            dnval,
+            st["step_d"],
+            kdraft,
+            rs_d,
+            ctrl,
+            host_tok,
+            host_n,
+        )
         tl.record("advance", dlane, st["sp"].tokens, round=step)
         # the next speculation crosses to the target right away, with the meta every host reads
         if pl.bridge is None:
@@ -314,7 +394,7 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
             rnd["live"], rnd["meta_cur"] = live.copy(), meta_cur
             push_round(rows, live, out_h[:, : K + 1], rnd["n_acc"], on_text, history)
             if "meta" not in rnd:  # fused: the meta columns follow the tokens
-                rnd["meta"] = out_h[:, K + 2:]
+                rnd["meta"] = out_h[:, K + 2 :]
         if meta_h is None:
             return
         # the lookup that produced the next speculation, over the rows live in this round
@@ -371,10 +451,19 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         tl = _merged(tl, origin)
     if trace_path and dist.is_main():
         tl.write_chrome(trace_path)
-    stages = _stage_metrics(tl, wall, ttft) if profiled and tl is not None else dict.fromkeys(
-        ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction"))
-    outputs = batch.outputs(lambda b: {**stats.row_metrics(b),
-                                       "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0})
+    stages = (
+        _stage_metrics(tl, wall, ttft)
+        if profiled and tl is not None
+        else dict.fromkeys(
+            ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction")
+        )
+    )
+    outputs = batch.outputs(
+        lambda b: {
+            **stats.row_metrics(b),
+            "cache_hit_rate": float(hits[b] / lookups[b]) if lookups[b] else 0.0,
+        }
+    )
     metrics = {
         **batch.speed_metrics(wall, ttft, compile_s),
         "k": K,
@@ -385,8 +474,13 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         "batch_cache_hit_rate": batch_all_hit[0] / batch_all_hit[1] if batch_all_hit[1] else 0.0,
         "tau_hit": tau["hit"][0] / tau["hit"][1] if tau["hit"][1] else 0.0,
         "tau_miss": tau["miss"][0] / tau["miss"][1] if tau["miss"][1] else 0.0,
-        "fanout": {"mode": "uniform" if uniform else "geometric", "budget": M, "schedule": est.schedule(False).tolist(),
-                   "post_miss_schedule": est.schedule(True).tolist(), **est.to_dict()},
+        "fanout": {
+            "mode": "uniform" if uniform else "geometric",
+            "budget": M,
+            "schedule": est.schedule(False).tolist(),
+            "post_miss_schedule": est.schedule(True).tolist(),
+            **est.to_dict(),
+        },
         "saguaro_c": float(spec.saguaro_c),
         "backup": spec.backup,
         "b_star": b_star,
@@ -396,18 +490,20 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
         "round_s": wall - ttft,
         "calls_per_round": calls[0] / max(1, step),
         "prefill_s": ttft,
-        "devices": {"single_device": pl.single, "target": len(pl.target_devices), "draft": len(pl.draft_devices),
-                    "processes": jax.process_count(),
-                    "target_processes": sorted({d.process_index for d in pl.target_devices}),
-                    "draft_processes": sorted({d.process_index for d in pl.draft_devices})},
+        "devices": {
+            "single_device": pl.single,
+            "target": len(pl.target_devices),
+            "draft": len(pl.draft_devices),
+            "processes": jax.process_count(),
+            "target_processes": sorted({d.process_index for d in pl.target_devices}),
+            "draft_processes": sorted({d.process_index for d in pl.draft_devices}),
+        },
     }
     return GenerationResult(outputs, metrics, method="ssd")
 
 
-
 def _spec_only(sp: Proposal) -> Proposal:
     return Proposal(sp.tokens, sp.n_draft, sp.q)
-
 
 
 def _to_target(sp: Proposal, pl) -> Proposal:
@@ -415,7 +511,6 @@ def _to_target(sp: Proposal, pl) -> Proposal:
     if pl.single:
         return _spec_only(sp)
     return pl.to_target(_spec_only(sp))[0]
-
 
 
 def _lane(devices) -> str:
@@ -427,18 +522,18 @@ def _lane(devices) -> str:
     return lane
 
 
-
 def _merged(tl: Timeline, origin: float) -> Timeline | None:
     """A timeline of every process's events (times from the common origin), on process 0; None elsewhere."""
-    mine = [dict(e, start=e["start"] - origin, end=e["end"] - origin, dispatch=e["dispatch"] - origin)
-            for e in tl.events()]
+    mine = [
+        dict(e, start=e["start"] - origin, end=e["end"] - origin, dispatch=e["dispatch"] - origin)
+        for e in tl.events()
+    ]
     every = dist.gather_to_main(mine)
     if every is None:
         return None
     out = Timeline(enabled=True)
     out.add_events([e for evs in every for e in evs])
     return out
-
 
 
 def _stage_metrics(tl, wall: float, ttft: float) -> dict:

@@ -33,7 +33,6 @@ class Tree:
     q: jax.Array | None  # (B, M, K, V) float32, None when greedy
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Opts:
     """Static options of the SSD programs (hashable: part of the compile cache key)."""
@@ -46,14 +45,14 @@ class Opts:
     greedy: bool
     c: float
     tree_base: int  # first slot of the tree region in the draft cache
-    mesh: jax.sharding.Mesh | None = None  # the draft mesh; with > 1 device the branch axis is sharded over it
-
+    mesh: jax.sharding.Mesh | None = (
+        None  # the draft mesh; with > 1 device the branch axis is sharded over it
+    )
 
 
 def branch_sharding(mesh, ndim: int) -> NamedSharding:
     """(B, M, ...) arrays: the branch axis M split over the draft mesh."""
     return NamedSharding(mesh, PartitionSpec(None, "tp", *([None] * (ndim - 2))))
-
 
 
 def _constrain(x, opts: Opts):
@@ -62,30 +61,39 @@ def _constrain(x, opts: Opts):
     return jax.lax.with_sharding_constraint(x, branch_sharding(opts.mesh, x.ndim))
 
 
-
 def _replicate(tree, opts: Opts):
     if opts.mesh is None:
         return tree
     return jax.lax.with_sharding_constraint(tree, NamedSharding(opts.mesh, PartitionSpec()))
 
 
-
 def draft_chain(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts):
     """K draft tokens after ``cur`` (cache lengths = committed length; cur not in the cache), by the
     drafters' K-step loop with Saguaro sampling. Returns (tokens (B, K), q (B, K, V) | None, cache
     with the same lengths)."""
+
     def draw(key_d, lg, d):
-        return draft_sample(key_d, lg, rs, fan_BxK[:, d], needs_filter=opts.needs_filter, greedy=opts.greedy,
-                            c=opts.c, f_max=opts.budget)
+        return draft_sample(
+            key_d,
+            lg,
+            rs,
+            fan_BxK[:, d],
+            needs_filter=opts.needs_filter,
+            greedy=opts.greedy,
+            c=opts.c,
+            f_max=opts.budget,
+        )
 
     start = cache.lengths
-    toks, q, cache = draft_loop(params, cache, cur_B, cur_B, split(key, opts.k), draw, cfg=cfg,
-                                vocab=opts.vocab, catch_up=False)
+    toks, q, cache = draft_loop(
+        params, cache, cur_B, cur_B, split(key, opts.k), draw, cfg=cfg, vocab=opts.vocab, catch_up=False
+    )
     return toks, q, cache.with_lengths(start)
 
 
-
-def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_BxK, key, rs, *, cfg, opts: Opts):
+def build_tree(
+    params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_BxK, key, rs, *, cfg, opts: Opts
+):
     """Predict the outcomes of the speculation being verified and pre-draft each (see module doc)."""
     K, M = opts.k, opts.budget
     B = cur_B.shape[0]
@@ -97,7 +105,9 @@ def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_Bx
     nxt = jnp.concatenate([spec_tokens, jnp.zeros((B, 1), spec_tokens.dtype)], axis=1)
     excl = jnp.arange(K + 1)[None, :] < spec_n[:, None]
     cur_val = jnp.take_along_axis(lg, nxt[..., None], axis=-1)
-    lg = jnp.put_along_axis(lg, nxt[..., None], jnp.where(excl[..., None], -jnp.inf, cur_val), axis=-1, inplace=False)
+    lg = jnp.put_along_axis(
+        lg, nxt[..., None], jnp.where(excl[..., None], -jnp.inf, cur_val), axis=-1, inplace=False
+    )
     _, cand = jax.lax.top_k(lg, M)  # (B, K+1, M)
     valid = kb_BxM >= 0
     kb = jnp.clip(kb_BxM, 0, K)
@@ -116,15 +126,26 @@ def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_Bx
         d, key_d = xs
         own = (slot[None, :] >= base[:, None]) & (slot[None, :] <= base[:, None] + d)  # (M, S)
         h, cache = llama.forward(
-            params, cfg, tok, cache,
+            params,
+            cfg,
+            tok,
+            cache,
             positions_BxT=pos0 + d,
             slots_BxT=jnp.broadcast_to(base + d, (B, M)),
             mask_BxTxS=prefix | own[None],
         )
         lg = align_vocab(llama.logits(params, cfg, h), opts.vocab)  # (B, M, V)
         fan = jnp.broadcast_to(fan_BxK[:, d][:, None], (B, M))
-        nxt, lp = draft_sample(key_d, lg, rs, fan, needs_filter=opts.needs_filter, greedy=opts.greedy,
-                               c=opts.c, f_max=opts.budget)
+        nxt, lp = draft_sample(
+            key_d,
+            lg,
+            rs,
+            fan,
+            needs_filter=opts.needs_filter,
+            greedy=opts.greedy,
+            c=opts.c,
+            f_max=opts.budget,
+        )
         return (cache, _constrain(nxt, opts)), (nxt, lp)
 
     (cache, _), (toks, qs) = jax.lax.scan(body, (cache, t0), (jnp.arange(K), split(key, K)))
@@ -137,9 +158,24 @@ def build_tree(params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_Bx
     return tree, _replicate(cache.with_lengths(start), opts)
 
 
-
-def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key, rs, fan_BxK, *, cfg, opts: Opts,
-            backup: str, host_tokens=None, host_n=None):
+def advance(
+    params,
+    tree: Tree,
+    cache,
+    n_acc_B,
+    bonus_B,
+    new_len_B,
+    live_B,
+    key,
+    rs,
+    fan_BxK,
+    *,
+    cfg,
+    opts: Opts,
+    backup: str,
+    host_tokens=None,
+    host_n=None,
+):
     """Cache lookup for the verification outcome, plus the fallback for rows that missed.
 
     ``backup``: "neural" (re-draft just in time, skipped by ``lax.cond`` when every live row
@@ -156,6 +192,7 @@ def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key,
     cache = cache.with_lengths(new_len_B)
     n_draft = jnp.full((B,), K, jnp.int32)
     if backup == "neural":
+
         def redraft(cache):
             return draft_chain(params, cache, bonus_B, key, rs, fan_BxK, cfg=cfg, opts=opts)
 
@@ -177,7 +214,6 @@ def advance(params, tree: Tree, cache, n_acc_B, bonus_B, new_len_B, live_B, key,
         if q is not None:
             q = mark_point_mass(q, jnp.broadcast_to(~hit[:, None], (B, K)))
     return _replicate((Proposal(tokens, n_draft, q, hit), cache), opts)
-
 
 
 def first_spec(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts, backup: str):

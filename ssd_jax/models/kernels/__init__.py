@@ -97,8 +97,13 @@ def _compiler_version(cxx: str) -> str:
 
 def _key(cxx: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in (*SOURCES, *HEADERS)), _compiler_version(cxx).encode(), " ".join(flags).encode(),
-                 jax.__version__.encode(), _cpu_tag().encode()):
+    for part in (
+        *(f.read_bytes() for f in (*SOURCES, *HEADERS)),
+        _compiler_version(cxx).encode(),
+        " ".join(flags).encode(),
+        jax.__version__.encode(),
+        _cpu_tag().encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -163,7 +168,11 @@ def available() -> bool:
     try:
         path = build()
         lib = ctypes.CDLL(str(path))
-        for target, symbol in ((TARGET, SYMBOL), (TARGET_BF16, SYMBOL_BF16), (TARGET_ATTENTION, SYMBOL_ATTENTION)):
+        for target, symbol in (
+            (TARGET, SYMBOL),
+            (TARGET_BF16, SYMBOL_BF16),
+            (TARGET_ATTENTION, SYMBOL_ATTENTION),
+        ):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _LOADED.append(path)
         return True
@@ -195,8 +204,13 @@ def usable(x: jax.Array, w: jax.Array) -> bool:
     for n in x.shape[:-1]:
         rows *= n
     return (
-        x.dtype == jnp.float32 and w.dtype in (jnp.float32, jnp.bfloat16) and w.ndim == 2
-        and 1 <= rows <= MAX_ROWS and _one_device(x) and _one_device(w) and available()
+        x.dtype == jnp.float32
+        and w.dtype in (jnp.float32, jnp.bfloat16)
+        and w.ndim == 2
+        and 1 <= rows <= MAX_ROWS
+        and _one_device(x)
+        and _one_device(w)
+        and available()
     )
 
 
@@ -233,9 +247,11 @@ def attention_usable(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether :func:`attention` runs the kernel: float32 queries and cache, 1..ATTENTION_MAX_T new
     tokens, everything on one device, the kernel available."""
     return (
-        q.ndim == 5 and 1 <= q.shape[1] <= ATTENTION_MAX_T
+        q.ndim == 5
+        and 1 <= q.shape[1] <= ATTENTION_MAX_T
         and all(a.dtype == jnp.float32 for a in (q, k, v))
-        and all(_one_device(a) for a in (q, k, v)) and available()
+        and all(_one_device(a) for a in (q, k, v))
+        and available()
     )
 
 
@@ -250,13 +266,21 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
 
 def _attention_ffi(q, k, v, mask, *, scale):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(q, k, v, mask, scale=np.float32(scale))
+    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(
+        q, k, v, mask, scale=np.float32(scale)
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
 def _attention(q, k, v, mask, scale):
-    return jax.lax.platform_dependent(q, k, v, mask, cpu=functools.partial(_attention_ffi, scale=scale),
-                                      default=functools.partial(attention_reference, scale=scale))
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        mask,
+        cpu=functools.partial(_attention_ffi, scale=scale),
+        default=functools.partial(attention_reference, scale=scale),
+    )
 
 
 @_attention.defjvp
