@@ -4,7 +4,7 @@
 # times the engine loops (AR; SD and SSD with draft = target and with an unrelated draft), an HBM
 # bandwidth probe, SSD build vs verify and host time per round; every step under a timeout, the whole
 # run under 450 s (--budget-s). Results: $OUT/gpu_check.{json,md} and gpu_check.log (the device tool
-# brings $OUT back), else experiments/results/gpu/. Details: experiments/gpu_check.py.
+# brings $OUT back), else experiments/results/gpu/. Details: tools/gpu_check.py.
 #
 #   bash experiments/gpu_check.sh            # on the GPU machine
 #   bash experiments/gpu_check.sh --smoke    # same code path on CPU, tiny shapes (run by tests/test_gpu_check.py)
@@ -12,4 +12,4 @@
 # STATUS: not yet run on a GPU (no GPU was lent to the session that wrote it).
 set -u
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" experiments/gpu_check.py "$@"
+exec "${PYTHON:-python3}" tools/gpu_check.py "$@"

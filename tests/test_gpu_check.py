@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py cannot rot: its --smoke mode (the GPU script's code path end to end, on
+"""tools/gpu_check.py cannot rot: its --smoke mode (the GPU script's code path end to end, on
 CPU with tiny shapes) runs here, and its full-size model shapes are Qwen2.5-1.5B's and 0.5B's."""
 
 import importlib.util
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "experiments" / "gpu_check.py"
+SCRIPT = ROOT / "tools" / "gpu_check.py"
 
 
 def _module():

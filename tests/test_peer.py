@@ -1,4 +1,4 @@
-"""The HF peer path (experiments/peer/hf_compare.py) under the protocol: HF generate and prompt lookup
+"""The HF peer path (tools/hf_compare.py) under the protocol: HF generate and prompt lookup
 interleaved with our AR on the same tiny checkpoint, with the decode-only split; tokens equal."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import pytest
 
 from ssd_jax.bench import protocol
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "peer" / "hf_compare.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "hf_compare.py"
 
 
 def test_hf_runners_interleave_with_ours(tmp_path, tiny_llama_path):

@@ -6,7 +6,7 @@ averaged first) with the 95% Student-t interval of :mod:`ssd_jax.bench.stats`, t
 statistic the benchmark protocol reports; its prediction inputs are the measured acceptance
 (tokens per round, K, and for SSD the cache-hit rate and tau on hits / misses).
 
-The split is a committed JSON file (``experiments/perf_split.json``)::
+The split is a committed JSON file (``experiments/sweeps/perf_split.json``)::
 
     {"sources": [glob, ...],              # every results file to read (protocol JSONL or results JSON)
      "fit": [rule, ...],                  # cells matching any rule are the fit ("in-sample")

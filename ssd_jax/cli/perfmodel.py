@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--validate-split",
         metavar="SPLIT_JSON",
-        help="fit on the cells a split file declares (e.g. experiments/perf_split.json), predict the "
+        help="fit on the cells a split file declares (e.g. experiments/sweeps/perf_split.json), predict the "
         "held-out ones, quote max and mean errors in- and out-of-sample",
     )
     p.add_argument("--predict", nargs="+", choices=["paper", "qwen-h200"], default=[])

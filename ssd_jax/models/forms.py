@@ -3,7 +3,7 @@
 The same product ``y = x W^T`` (W the checkpoint's (out, in) matrix) can be written several
 ways, and on XLA:CPU their cost at a few rows differs by up to 2x: at M = 5 rows (a K = 4
 verification) ``x @ W.T`` with W stored (out, in) costs 2.1-3.7x a one-row matvec on Qwen
-shapes, while other forms cost 0.9-1.8x (REFERENCE §6, ``experiments/matmul_forms.py``).
+shapes, while other forms cost 0.9-1.8x (REFERENCE §6, ``tools/matmul_forms.py``).
 A :class:`Form` fixes, per matrix role:
 
 * ``layout``: ``"oi"`` stores (out, in) (checkpoint layout), ``"io"`` stores (in, out);
@@ -18,7 +18,7 @@ A :class:`Form` fixes, per matrix role:
 
 The default :class:`Forms` (everything ``oi``/``right``) is today's ``x @ W.T`` and is what
 accelerators use; on CPU the loader picks forms from the table measured by
-``experiments/matmul_forms.py`` (``forms_cpu.json`` beside this file).
+``tools/matmul_forms.py`` (``forms_cpu.json`` beside this file).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ORDERS = ("right", "left", "kernel")
 BUCKETS = (1, 16)
 #: matrix roles; q/k/v/o/gate/up/down per layer, head = the output head (the embedding when tied)
 ROLES = ("q", "k", "v", "o", "gate", "up", "down", "head")
-#: roles of the measured table (experiments/matmul_forms.py) -> the roles they decide
+#: roles of the measured table (tools/matmul_forms.py) -> the roles they decide
 TABLE_ROLES = {
     "q/o": ("q", "o"),
     "k/v": ("k", "v"),

@@ -1,7 +1,7 @@
 """AR and SD decode tok/s on SmolLM2-135M with its shipped draft, the CPU matmul kernel on
 against off (``ssd_jax.models.kernels``), interleaved per prompt in one process.
 
-    python experiments/matmul_kernel_sd.py --prompts 4 --tokens 48 --reps 2
+    python experiments/probes/matmul_kernel_sd.py --prompts 4 --tokens 48 --reps 2
 
 "on" is what the CPU loader installs (the kernel for 2-16 rows); "off" is the same parameters
 with the verify bucket on XLA's dot (no second copy of any weight). Greedy; K = 4. Per prompt
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, whatever is installed
 TARGET = "smollm2-135m-instruct"
 DRAFT = str(ROOT / "checkpoints" / "smollm2-135m-draft")

@@ -1,7 +1,7 @@
 """Probe (an anecdote, not a protocol result): stage costs of SD at batch 16 on the Qwen pair, 16 code
 prompts, --profile-stages, K given on the command line (default 2); then AR on the same batch.
 
-    python experiments/b16_stage_probe.py OUT.json [K ...]
+    python experiments/probes/b16_stage_probe.py OUT.json [K ...]
 """
 
 import json

@@ -1,7 +1,7 @@
 """Per matrix: XLA's ``x @ W.T`` against the project's CPU kernel (``ssd_jax.models.kernels``) at
 M = 1 and M = 5 rows, on the SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B shapes (float32).
 
-    python experiments/matmul_kernel.py --models smollm2-135m qwen-0.5b --reps 7
+    python experiments/probes/matmul_kernel.py --models smollm2-135m qwen-0.5b --reps 7
 
 ``--weight-dtypes float32 bfloat16`` also times W stored in bfloat16 under float32 rows (a
 ``--draft-dtype bfloat16`` draft): XLA's mixed dot ``xla-bf16`` against the kernel's bfloat16
@@ -11,7 +11,7 @@ path ``kernel-bf16``, interleaved with the float32 pair (``experiments/results/d
 and interleaves them as ``base`` / ``base-bf16``: an A/B of a kernel change in one process
 (``experiments/results/kernel_reduction_cpu.md``).
 
-As in ``experiments/matmul_forms.py``: L distinct copies of the matrix (about 300 MB in all,
+As in ``tools/matmul_forms.py``: L distinct copies of the matrix (about 300 MB in all,
 so the weights stream from memory, not from the 260 MB L3 of this VM) are applied in one
 jitted call and the time is divided by L. The two implementations and both row counts
 alternate call by call (interleaved); cells are medians over ``--reps``. Appends one JSON line
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, not an installed one
 
 MODELS = {  # d, f, v, q out, kv out

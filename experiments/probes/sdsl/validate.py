@@ -7,7 +7,7 @@ target at K = 1, 2, 4, greedy, with AR measured in the same run (before and afte
 drift). Writes ``experiments/results/sdsl_validation.{jsonl,md,png}``; resumable: drafts
 already measured (same draft sha256) are skipped.
 
-    .venv/bin/python experiments/sdsl/validate.py [--prompts 4] [--new-tokens 64]
+    .venv/bin/python experiments/probes/sdsl/validate.py [--prompts 4] [--new-tokens 64]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from ssd_jax.analysis import sdsl  # noqa: E402

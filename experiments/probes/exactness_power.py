@@ -8,7 +8,7 @@ family-wise alpha 1e-4; chi-square and Kolmogorov-Smirnov) rejects. delta = 0 gi
 chi-square tests (test_verify's Monte Carlo, the slow 20k-row SD/SSD tests) get the same
 treatment on their exact enumerated distributions.
 
-    .venv/bin/python experiments/exactness_power.py   # about 1 minute on 2 cores
+    .venv/bin/python experiments/probes/exactness_power.py   # about 1 minute on 2 cores
 
 Writes experiments/results/exactness_power.{json,md}.
 """
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> None:
         "# Power of the engine-level goodness-of-fit test",
         "",
         f"Rejection rate over {REPEATS} simulated runs, family-wise alpha 1e-4 (written by "
-        "experiments/exactness_power.py). `to_top`: delta of the mass moved onto the most likely token; "
+        "experiments/probes/exactness_power.py). `to_top`: delta of the mass moved onto the most likely token; "
         "`to_tail`: delta moved off it onto the rest, in proportion. TV = total-variation distance per token.",
         "",
         "For the unit-level chi-square tests the bias is applied to the joint distribution of the tokens "

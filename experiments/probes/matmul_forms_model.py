@@ -1,8 +1,8 @@
 """Whole-model cost of decode, a K+1 = 5 token verify and a 64-token prefill, checkpoint forms
 against the CPU forms (``ssd_jax.models.forms``), interleaved in one process.
 
-    python experiments/matmul_forms_model.py --model smollm2-135m-instruct      # real weights
-    python experiments/matmul_forms_model.py --shape qwen-0.5b                   # random weights, Qwen shapes
+    python experiments/probes/matmul_forms_model.py --model smollm2-135m-instruct      # real weights
+    python experiments/probes/matmul_forms_model.py --shape qwen-0.5b                   # random weights, Qwen shapes
 
 One copy of the weights is held: between blocks the parameters are transposed in place, one
 tensor at a time (``params.to_layout``), so the 1.5B shape fits too. Each block times every
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, not an installed one
 
 SHAPES = {  # hidden, ffn, layers, heads, kv heads, head dim, vocab, tied, qkv bias

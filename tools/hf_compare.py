@@ -13,8 +13,8 @@ the tokens after that / the time after that, the same definition as ours (where 
 put holds exactly one token). End-to-end tok/s includes the prefill. Ratios are reported
 against ssd_jax AR and against HF generate.
 
-    .venv/bin/python experiments/peer/hf_compare.py [--n-prompts 8] [--repeats 3] [--new-tokens 64]
-    .venv/bin/python experiments/peer/hf_compare.py --smoke     # tiny random Qwen2 pair, seconds
+    .venv/bin/python tools/hf_compare.py [--n-prompts 8] [--repeats 3] [--new-tokens 64]
+    .venv/bin/python tools/hf_compare.py --smoke     # tiny random Qwen2 pair, seconds
 
 Weights: the registry's GGUF files, dequantised to float32 by transformers' reader and by ours
 (default), or an HF folder pair (``--target-dir``/``--draft-dir``). Writes
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "experiments" / "results" / "peer_hf_cpu.jsonl"

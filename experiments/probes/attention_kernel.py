@@ -1,7 +1,7 @@
 """Whole-model cost of the attention core: the CPU attention kernel (``kernels.attention``) against
 XLA's einsums, on the real Qwen pair, interleaved call by call in one process.
 
-    python experiments/attention_kernel.py --reps 15
+    python experiments/probes/attention_kernel.py --reps 15
 
 Rows: the Qwen2.5-Coder-1.5B target's forward + logits over T = 1 (a decode step) and T = 9 (a
 K = 8 verify), and one step of the 0.5B draft as the engine runs it with ``--draft-vocab 32768
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -7,7 +7,7 @@ import sys
 import time
 import resource
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import ssd_jax
 from ssd_jax.bench import protocol
 from ssd_jax.decoding.batch import encode_prompts

@@ -1,7 +1,7 @@
 """Measure the matmul forms per weight shape on XLA:CPU and write the table ssd_jax uses on CPU.
 
-    python experiments/matmul_forms.py                     # SmolLM2-135M, Qwen2.5 0.5B and 1.5B shapes
-    python experiments/matmul_forms.py --models smollm2-135m qwen-0.5b --reps 5
+    python tools/matmul_forms.py                     # SmolLM2-135M, Qwen2.5 0.5B and 1.5B shapes
+    python tools/matmul_forms.py --models smollm2-135m qwen-0.5b --reps 5
 
 The method is the one of ``../shared/bench/matmul_forms.py`` (L stacked copies of the matrix,
 about 300 MB, so the weights come from memory, not cache; median over repeats), extended to

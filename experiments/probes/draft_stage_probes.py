@@ -1,16 +1,16 @@
 """Probes (anecdotes) of the Qwen 0.5B draft (bfloat16, 32,768-token head) at batch 16, for
 experiments/results/qwen_b16_stages.md:
 
-    python experiments/draft_stage_probes.py prefill   # the draft prefill of 16 chat-templated code prompts
-    python experiments/draft_stage_probes.py propose   # the compiled K = 2 proposal, without / with catch-up
-    python experiments/draft_stage_probes.py context   # a one-token forward at several context lengths
+    python experiments/probes/draft_stage_probes.py prefill   # the draft prefill of 16 chat-templated code prompts
+    python experiments/probes/draft_stage_probes.py propose   # the compiled K = 2 proposal, without / with catch-up
+    python experiments/probes/draft_stage_probes.py context   # a one-token forward at several context lengths
 """
 
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax
 import numpy as np

@@ -1,7 +1,7 @@
 """Before / after of the engine redesign in one run: ``engine_probe.py`` on the code of two
 revisions, alternating (before, after, before, after, ...) so both see the same machine load.
 
-    .venv/bin/python experiments/engine_compare.py --before 2776dae [--alternations 2] [--smollm]
+    .venv/bin/python experiments/probes/engine_compare.py --before 2776dae [--alternations 2] [--smollm]
 
 The "after" side is this working tree. Writes experiments/results/engine_probe.jsonl and
 experiments/results/engine_probe.md (tables: decode tok/s with 95% intervals over repeats, ratios to AR,
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments" / "results" / "engine_probe.jsonl"
 DOC = ROOT / "experiments" / "results" / "engine_probe.md"
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -57,7 +57,7 @@ def render(rows) -> str:
     lines = [
         "# Engine redesign: host cost before and after",
         "",
-        "Written by `experiments/engine_compare.py` (probe: `experiments/engine_probe.py`). Both sides ran in",
+        "Written by `experiments/probes/engine_compare.py` (probe: `experiments/probes/engine_probe.py`). Both sides ran in",
         "one session, alternating, on the 2-core development CPU (jax "
         f"{rows[0]['jax']}); `before` = commit {next(r['commit'] for r in rows if r['tag'] == 'before')}, "
         f"`after` = commit {next(r['commit'] for r in rows if r['tag'] == 'after')} plus the working tree "

@@ -2,7 +2,7 @@
 time against the number of kept tokens N (issue 13, item 2). A SMALL measurement: few prompts,
 32 new tokens, one CPU shared with other jobs (the load average is recorded).
 
-    python experiments/vocab_trim.py [--ns 49152 16384 8192 4096 2048] [--prompts 4] [--tokens 32]
+    python experiments/probes/vocab_trim.py [--ns 49152 16384 8192 4096 2048] [--prompts 4] [--tokens 32]
 
 Per prompt (chat template, greedy, K = 4) every N runs back to back in a rotated order, twice:
 SD with ``profile_stages`` (the draft's K steps are one call, synced, so ``draft_s`` is the draft's
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's ssd_jax, whatever is installed
 
 TARGET = "smollm2-135m-instruct"
@@ -211,7 +211,7 @@ def render(out: dict) -> str:
         f"{env['new_tokens']} new tokens, batch 1, f32 on the 2-core CPU. Every N runs back to back per prompt. "
         f"Values: mean over prompts ± the 95% t-interval half-width (n = {len(env['prompts'])}: wide). "
         f"Load average (1 min) before {env['loadavg_before'][0]:.2f}, after {env['loadavg_after'][0]:.2f}; "
-        f"commit {env['commit']}, `python experiments/vocab_trim.py`.",
+        f"commit {env['commit']}, `python experiments/probes/vocab_trim.py`.",
         "",
         "Draft call ms/step (alone): the real draft call (`drafters.model.draft_propose`, K greedy steps with "
         "sampling and q, context 64) timed on its own, 10 rounds over every N in turn x 10 calls, divided by K "

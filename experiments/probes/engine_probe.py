@@ -1,8 +1,8 @@
 """Host cost of the decoding loops: compiled calls per round, time per round, tok/s, and cost per token
 against length (issue: engine redesign). Runs against whatever ``ssd_jax`` is importable, so the
-driver ``experiments/engine_compare.py`` can run it on the code before and after a change.
+driver ``experiments/probes/engine_compare.py`` can run it on the code before and after a change.
 
-    python experiments/engine_probe.py --out rows.jsonl [--tokens 1000] [--repeats 3] [--smollm]
+    python experiments/probes/engine_probe.py --out rows.jsonl [--tokens 1000] [--repeats 3] [--smollm]
 
 The probe model is a 2-layer, width-64 Llama with random weights and a 128-token vocabulary
 (the "probe" suite: nothing but the engine costs anything), or SmolLM2's vocabulary and

@@ -1,7 +1,7 @@
 """The GPU check for a bare machine (issue 13, item 5): one command, no network, no carried weights.
 
-    python3 experiments/gpu_check.py            # or: bash experiments/gpu_check.sh
-    python3 experiments/gpu_check.py --smoke    # the same code path on CPU with tiny shapes, seconds
+    python3 tools/gpu_check.py            # or: bash experiments/gpu_check.sh
+    python3 tools/gpu_check.py --smoke    # the same code path on CPU with tiny shapes, seconds
 
 Steps, each in its own child process under a timeout (a hung or slow step costs only its
 limit; the steps after it still run, and what a step finished before it was killed is kept):
