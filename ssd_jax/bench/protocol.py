@@ -2,9 +2,13 @@
 
 A claim is a ratio against AR with its 95% interval, measured like this:
 
-* **Units.** Per prompt category (``code``: HumanEval, ``chat``: MT-bench / ShareGPT,
-  ``math``: CHAMP, ``copy``: HumanEval functions to repeat or edit), at least 8 units; a unit
-  is one prompt at batch 1, or ``B`` prompts of the category at batch ``B``.
+* **Units.** Per prompt category, at least 8 units; a unit is one prompt at batch 1, or ``B``
+  prompts of the category at batch ``B``. Each of ``code``, ``chat`` and ``math`` takes its prompts
+  from two sources in turn (:func:`ssd_jax.data.prompts.load_prompts`), so half of an 8-prompt
+  sample are MT-bench questions: ``code`` is HumanEval and MT-bench coding, ``chat`` ShareGPT and
+  MT-bench writing / roleplay / reasoning / extraction / STEM / humanities, ``math`` CHAMP and
+  MT-bench math. ``copy`` is HumanEval functions with an instruction to repeat or lightly edit
+  them (:func:`ssd_jax.data.prompts.copy_task_prompts`).
 * **Interleaving.** For each repeat (at least 3) and each unit, every method runs back to
   back in one process, in a rotated order (or a seeded shuffle, ``order="shuffle"``), so a
   burst of load hits all methods alike and no method always runs first. Units of different
