@@ -79,7 +79,7 @@ def test_geometric_proportions_match_theorem_12(a, r, K):
 def test_high_acceptance_gives_the_all_accepted_bucket_the_most():
     real = fo.geometric_fanout_real(0.9, 0.5, 7, 1.0)
     assert int(np.argmax(real)) == 7
-    assert real[7] / real[0] == pytest.approx(2.84, abs=0.01)  # REFERENCE.md: ≈2.8×F_0
+    assert real[7] / real[0] == pytest.approx(2.84, abs=0.01)  # docs/reference.md §4: ≈2.84·F_0
     F = fo.geometric_fanout(0.9, 0.5, 7, 24)
     assert int(np.argmax(F)) == 7 and F[7] > F[0]
 

@@ -2,7 +2,7 @@
 
 transformers dequantises the GGUF itself (its own reader and its own un-permutation of the
 llama Q/K rows), so this is an independent check of our loader and forward on real weights.
-Token ids are compared (REFERENCE §5: the two tokenizers differ on digits for smollm), and
+Token ids are compared (docs/reference.md §10: the two tokenizers differ on digits for smollm), and
 both sides get the same prompt ids.
 """
 

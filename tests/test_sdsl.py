@@ -56,7 +56,7 @@ def _brute_force_gamma(alpha, r, hi=200.0, step=1e-4):
 
 def test_gamma_star_paper_check_and_brute_force():
     g = float(sdsl.gamma_star(0.7, 700.0))
-    assert abs(g - 14.545) <= 0.01, g  # REFERENCE §3: α=0.7, N=100M, M=70B
+    assert abs(g - 14.545) <= 0.01, g  # docs/reference.md §7: α=0.7, N=100M, M=70B
     assert abs(g - _brute_force_gamma(0.7, 700.0)) <= 2e-4
     # same as giving N and M (r = 70e9 / 100e6)
     chex.assert_trees_all_close(sdsl.gamma_star(0.7, 70e9 / 100e6), g, rtol=1e-12)

@@ -3,10 +3,10 @@
     python tools/matmul_forms.py                     # SmolLM2-135M, Qwen2.5 0.5B and 1.5B shapes
     python tools/matmul_forms.py --models smollm2-135m qwen-0.5b --reps 5
 
-The method is the one of ``../shared/bench/matmul_forms.py`` (L stacked copies of the matrix,
-about 300 MB, so the weights come from memory, not cache; median over repeats), extended to
-the row counts of the three call sites (1 = decode, 5 = a K = 4 verify, 64 = a prefill chunk)
-and to each XLA flag candidate (each run in its own process, since XLA reads XLA_FLAGS once).
+Each shape is timed on L stacked copies of the matrix (about 300 MB, so the weights come from
+memory, not cache; median over repeats), at the row counts of the three call sites (1 = decode,
+5 = a K = 4 verify, 64 = a prefill chunk) and under each XLA flag candidate (each run in its own
+process, since XLA reads XLA_FLAGS once).
 
 From the timings it picks, per matrix role and shape, one storage layout and one contraction
 order per row bucket (``ssd_jax.models.forms``): the layout whose best M = 1 and M = 64 times

@@ -1,7 +1,7 @@
 """SDSL: how big should the draft model be? (Speculative Decoding Scaling Laws)
 
 Implements the throughput model of Bozorgkhoo & Molybog, "Speculative Decoding Scaling Laws
-(SDSL): Throughput Optimization Made Simple" (arXiv 2603.11053), REFERENCE.md §3. Pure numpy,
+(SDSL): Throughput Optimization Made Simple" (arXiv 2603.11053), docs/reference.md §7. Pure numpy,
 float64, over parameter counts; nothing here is traced or compiled by JAX, and nothing here
 loads a model (the CLI, ``python -m ssd_jax.sdsl`` in :mod:`ssd_jax.cli.sdsl`, counts a real
 target's parameters from its config).

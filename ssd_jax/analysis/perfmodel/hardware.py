@@ -61,7 +61,7 @@ class Hardware:
         return self.peak_tflops * 1e12 * self.flop_eff
 
 
-# The vLLM study's H100 latency model (REFERENCE §4, Llama-3.1-8B): a target forward costs
+# The vLLM study's H100 latency model (docs/reference.md §8, Llama-3.1-8B): a target forward costs
 # 5.9 ms + 21 µs per batched token; per-step host overhead 1.2 ms. With an assumed 85% of
 # the 3.35 TB/s spec for the weight stream, the part of the 5.9 ms that the 16 GB of bf16
 # weights do not explain is the per-forward launch cost; 21 µs per token of 2·N FLOPs gives
@@ -74,7 +74,7 @@ _H100_STEP_S = _VLLM_8B_FWD_S - weight_bytes_per_token(MODEL_CONFIGS["llama-3.1-
 _H100_FLOP_EFF = 2 * weight_bytes_per_token(MODEL_CONFIGS["llama-3.1-8b"], 1) / _VLLM_8B_PER_TOKEN_S / 989e12
 _GPU_NOTE = (
     f"bw_eff {_H100_BW_EFF} assumed; step overhead {_H100_STEP_S * 1e3:.2f} ms and flop_eff "
-    f"{_H100_FLOP_EFF:.2f} derived from the vLLM study's H100 latency model (REFERENCE §4); host "
+    f"{_H100_FLOP_EFF:.2f} derived from the vLLM study's H100 latency model (docs/reference.md §8); host "
     f"{_VLLM_HOST_S * 1e3:.1f} ms per round from the same study; all-reduce latency 10 µs assumed"
 )
 

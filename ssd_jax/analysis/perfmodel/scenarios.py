@@ -8,7 +8,7 @@ from ssd_jax.analysis.perfmodel.roofline import alpha_for_tokens, fits, predict_
 from ssd_jax.analysis.perfmodel.shapes import model_shape
 from ssd_jax.analysis.sdsl import expected_tokens
 
-PAPER = {"ar": 54.7, "sd": 161.8, "ssd": 255.8}  # SSD paper, average row (REFERENCE §2)
+PAPER = {"ar": 54.7, "sd": 161.8, "ssd": 255.8}  # SSD paper, average row (docs/reference.md §3)
 PAPER_REPRO = {"ar": 67.0, "sd": 182.0, "ssd": 283.0}  # public reproduction (SSD 280-286)
 PAPER_TOKENS_PER_STEP = 5.47  # public reproduction, SSD K=7 (hit rate 0.88)
 PAPER_P_HIT = 0.86  # the paper, T = 0, geometric fan-out

@@ -3,7 +3,7 @@
 SD leaves the draft idle while the target verifies. In SSD the draft runs on its own
 devices and, while the target verifies round T, predicts the likely verification outcomes
 of round T and pre-drafts round T+1 for each of them into a speculation cache. When the
-outcome arrives, a cache hit hands over the next speculation at once (REFERENCE.md §2).
+outcome arrives, a cache hit hands over the next speculation at once (docs/reference.md §3).
 
 State between rounds, per row (as in SD): both KV caches hold the committed context
 (length L), ``cur`` is the last emitted token (in no cache yet), and ``spec`` is the

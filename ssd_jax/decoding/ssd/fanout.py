@@ -3,7 +3,7 @@
 Pure numpy, float64, host side; nothing here is traced or compiled by JAX. The SSD engine
 (``ssd.py``) asks :class:`FanoutEstimator` for a schedule before each cache build, lays the
 branches out with :func:`branch_layout` (a static ``(B, budget)`` shape) and feeds the round's
-outcomes back with :meth:`FanoutEstimator.observe`. REFERENCE.md §2 gives the background.
+outcomes back with :meth:`FanoutEstimator.observe`. docs/reference.md §4 gives the background.
 
 Geometric fan-out (Theorem 12 of Kumar, Dao & May, "Speculative Speculative Decoding")
 -------------------------------------------------------------------------------------
