@@ -10,7 +10,7 @@ Statistical tests (see ``tests/README.md`` for each one's sample size and power)
   actual prefix, computed by ``reference.np_logits`` (numpy float64, full context, no KV cache,
   no JAX), and the randomised PIT values are tested for uniformity, pooled and per offset
   within the round (``reference.goodness_of_fit``).
-* ``test_negative_control_fails`` - five deliberately wrong engines, each injected by a
+* ``test_negative_control_fails`` - six deliberately wrong engines, each injected by a
   monkeypatch of one function, must FAIL the same test on the same configuration the real
   engine passes.
 * ``test_power`` - the test rejects a sampler with a known total-variation bias of the
