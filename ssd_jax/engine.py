@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from ssd_jax.decoding.ar import generate_ar
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts
-from ssd_jax.decoding.kauto import resolve_k
+from ssd_jax.decoding.kauto import choose_draft_variant, resolve_k
 from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.errors import UserError
@@ -59,6 +59,10 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
+    # draft_dtype / draft_vocab "auto" (the defaults): the variant the calibration expects to be fastest
+    # (its measurements are K auto's, so the target's side is measured once for both)
+    target_cal: dict = {}
+    spec, draft_auto, variant_s = choose_draft_variant(model, spec, len(ids) * sampling.n, load, target_cal)
     if (
         spec.draft_dtype is not None
     ):  # validate() refused it for ar / ngram / random; before trimming (cast once)
@@ -72,7 +76,7 @@ def generate(
         spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
     # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
     # time counts as compile time
-    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load)
+    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load, target_cal)
     if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K, fixed
         spec = dataclasses.replace(spec, k=agree(spec.k), k_plan=None)
     spec.validate()
@@ -89,7 +93,8 @@ def generate(
     if k_auto is not None:  # did the loop re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
-    res.metrics["compile_s"] += calib_s
+    res.metrics["draft_auto"] = draft_auto
+    res.metrics["compile_s"] += calib_s + variant_s
     if spec.draft_dtype is not None:
         res.metrics["draft_dtype"] = spec.draft_dtype
     if spec.draft_vocab is not None:

@@ -82,13 +82,18 @@ def test_bad_draft_dtype_is_refused():
 
 
 def test_protocol_methods_take_bf16():
-    specs = protocol.method_specs(["ar", "sd:auto:v64:bf16", "sd:2:bf16", "ssd:4:bf16", "sd:2"], draft="d")
+    specs = protocol.method_specs(
+        ["ar", "sd:auto:v64:bf16", "sd:2:bf16", "ssd:4:bf16", "sd:2", "sd:auto:full:f32"], draft="d"
+    )
     assert (
         specs["sd-kauto-v64-bf16"].draft_dtype == "bfloat16" and specs["sd-kauto-v64-bf16"].draft_vocab == 64
     )
-    assert specs["sd-k2-bf16"].draft_dtype == "bfloat16" and specs["sd-k2-bf16"].draft_vocab is None
+    # an option not given stays "auto" (what a user without flags gets)
+    assert specs["sd-k2-bf16"].draft_dtype == "bfloat16" and specs["sd-k2-bf16"].draft_vocab == "auto"
     assert specs["ssd-k4-bf16"].draft_dtype == "bfloat16"
-    assert specs["sd-k2"].draft_dtype is None
-    for bad in ("ngram:2:bf16", "sd:2:bf16:bf16", "sd:2:v64:x"):
+    assert specs["sd-k2"].draft_dtype == "auto" and specs["sd-k2"].draft_vocab == "auto"
+    full = specs["sd-kauto-vfull-f32"]
+    assert full.draft_dtype == "float32" and full.draft_vocab is None
+    for bad in ("ngram:2:bf16", "sd:2:bf16:bf16", "sd:2:v64:x", "sd:2:full:v64", "ngram:2:full"):
         with pytest.raises(UserError, match="bad method"):
             protocol.method_specs(["ar", bad], draft="d")

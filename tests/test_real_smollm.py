@@ -55,7 +55,7 @@ def _hf_greedy(model, ids, steps):
     return out[0, len(ids) :].tolist()
 
 
-@pytest.mark.slow  # 70-90 s; tiny-model HF parity stays in the default suite
+# default set: the check a user trusts most (the HF model is already loaded for the logits test)
 def test_greedy_tokens_match_transformers(ours, hf_model):
     ids = [ours.tokenizer.encode(p) for p in PROMPTS]
     got = ssd_jax.generate(ours, ids, ssd_jax.SamplingParams(max_new_tokens=STEPS, ignore_eos=True))

@@ -179,34 +179,43 @@ def method_specs(
     names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None
 ) -> dict[str, Any]:
     """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
-    K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. ``sd:K:vN`` /
-    ``ssd:K:vN`` trim the draft's vocabulary to N tokens (``--draft-vocab``); a further ``:bf16``
-    stores the draft's matrices in bfloat16 (``--draft-dtype bfloat16``), e.g. ``sd:auto:v32768:bf16``.
+    K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. The draft's
+    vocabulary and weight dtype are ``auto`` (the defaults a user gets) unless options say:
+    ``:vN`` trims the head to N tokens and ``:full`` keeps the whole head (``--draft-vocab``);
+    ``:bf16`` / ``:f32`` store the matrices in bfloat16 / float32 (``--draft-dtype``); e.g.
+    ``sd:auto`` (the defaults), ``sd:auto:v32768:bf16`` (tuned by hand), ``sd:auto:full:f32``
+    (the defaults before they were automatic).
 
     ``sd:K@DRAFT`` / ``ssd:K@DRAFT`` use the draft ``DRAFT`` (a name or path, loaded once by
     ``load_draft``) instead of ``draft``, so one run can interleave drafts of several sizes; the
     method is named ``sd-kK@<last path component of DRAFT>``."""
     from ssd_jax.decoding.spec import SpecConfig
 
-    usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN; sd:K:bf16; sd:K@DRAFT)"
+    usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN|full; sd:K:bf16|f32; sd:K@DRAFT)"
     out, loaded, labels = {}, {}, {}
     for n in names:
         body, at, ref = n.partition("@")
         kind, *rest = body.split(":")
-        opts = rest[1:]
-        wdtype = "bfloat16" if "bf16" in opts else None
-        if wdtype:
-            opts.remove("bf16")
+        vocab, wdtype, vtag, dtag = "auto", "auto", "", ""
         try:
             k = rest[0] if rest and rest[0] == "auto" else int(rest[0]) if rest and rest[0] else 4
-            vocab = int(opts[0][1:]) if opts and opts[0].startswith("v") else None
+            for o in rest[1:]:
+                if o in ("bf16", "f32") and not dtag:
+                    wdtype, dtag = ("bfloat16" if o == "bf16" else "float32"), f"-{o}"
+                elif o == "full" and not vtag:
+                    vocab, vtag = None, "-vfull"
+                elif o.startswith("v") and not vtag:
+                    vocab = int(o[1:])
+                    vtag = f"-v{vocab}"
+                else:
+                    raise ValueError(o)
         except ValueError:
             raise UserError(f"bad method {n!r} {usage}") from None
-        if len(opts) > 1 or (opts and vocab is None) or ((vocab or wdtype) and kind not in ("sd", "ssd")):
+        if (vtag or dtag) and kind not in ("sd", "ssd"):
             raise UserError(f"bad method {n!r} {usage}")
         if at and (kind not in ("sd", "ssd") or not ref):
             raise UserError(f"bad method {n!r}: only sd and ssd take @DRAFT {usage}")
-        suffix = f"-k{k}" + (f"-v{vocab}" if vocab else "") + ("-bf16" if wdtype else "")
+        suffix = f"-k{k}{vtag}{dtag}"
         if kind == "ar":
             out["ar"] = SpecConfig()
         elif kind == "ngram":

@@ -404,7 +404,7 @@ def _f(x, p=3) -> str:
 
 
 def render(v: Validation, summary: dict[str, Any], rows: Sequence[dict]) -> str:
-    """The ``experiments/sdsl.md``-style report."""
+    """The SDSL validation report (as docs/training.md quotes it)."""
     envs = [r for r in rows if r.get("kind") == "env"]
     e = envs[-1] if envs else {}
     loads = ", ".join(format(x["loadavg"][0], ".2f") for x in envs if "loadavg" in x)

@@ -45,20 +45,22 @@ def add_spec_args(p) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=4)
     g.add_argument(
         "--draft-vocab",
-        type=int,
-        default=None,
-        metavar="N",
+        type=_draft_vocab,
+        default="auto",
+        metavar="N|full|auto",
         help="keep only the N most frequent "
         "target tokens in the draft model's output head (counted once on the offline corpus, stored with "
-        "the draft); exact, since q = 0 outside them (default: the full vocabulary)",
+        "the draft); exact, since q = 0 outside them. 'full': the whole head. 'auto' (default): the full "
+        "head or a 32,768-token one, whichever this machine's calibration expects to be faster",
     )
     g.add_argument(
         "--draft-dtype",
-        default=None,
-        choices=("float32", "bfloat16"),
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
         help="store the draft model's "
-        "weight matrices in this dtype while it computes in the target's (default: the target's dtype); "
-        "exact either way. On CPU, bfloat16 under a float32 target halves what each draft step reads",
+        "weight matrices in this dtype while it computes in the target's; exact either way. 'auto' "
+        "(default): the target's dtype or bfloat16, whichever this machine's calibration expects to be "
+        "faster (on CPU, bfloat16 under a float32 target halves what each draft step reads)",
     )
     g = p.add_argument_group("speculative speculative decoding (--method ssd)")
     g.add_argument(
@@ -118,7 +120,7 @@ def spec_from_args(args):
         draft_devices=args.draft_devices,
         profile_stages=getattr(args, "profile_stages", False),
         draft_vocab=args.draft_vocab,
-        draft_dtype=getattr(args, "draft_dtype", None),
+        draft_dtype=getattr(args, "draft_dtype", "auto"),
     )
 
 
@@ -140,3 +142,13 @@ def _int_flag(name, value) -> int:
         return int(value)
     except ValueError:
         raise UserError(f"{name} must be an integer or 'geometric', got {value!r}") from None
+
+
+def _draft_vocab(v: str):
+    """--draft-vocab: an integer, 'full' (None: the whole head) or 'auto'."""
+    if v in ("auto", "full"):
+        return None if v == "full" else v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, 'full' or 'auto', got {v!r}") from None

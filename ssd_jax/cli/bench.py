@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=["ar", "sd:4", "ngram:4", "ssd:4"],
         help="protocol: methods to interleave (ar, sd:K, ngram:K, ssd:K; K an integer or auto; "
-        "sd:K:vN / ssd:K:vN trim the draft vocabulary to N; a further :bf16 stores the draft in bfloat16; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
+        "the draft vocabulary and dtype are auto (the defaults) unless :vN (trim to N) / :full and :bf16 / :f32 say; sd:K@DRAFT uses DRAFT instead of --draft, so drafts "
         "can be compared in one run); ar is required",
     )
     p.add_argument(

@@ -1,7 +1,7 @@
 """``python -m ssd_jax.perfmodel`` (also ``python -m ssd_jax.perf``): the performance model's CLI.
 
 Validation against this CPU's results, predictions for large hardware, forward-pass timing for
-the GPU check, and the generated blocks of ``experiments/perf_model.md``; the model itself is
+the GPU check, and the generated blocks of ``docs/performance.md``; the model itself is
 :mod:`ssd_jax.analysis.perfmodel`.
 """
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         "--update-doc",
         metavar="MARKDOWN",
         help="rewrite the generated blocks of this file (e.g. "
-        "experiments/perf_model.md) with fresh tables; --validate FILES feeds its validation block",
+        "docs/performance.md) with fresh tables; --validate FILES feeds its validation block",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown tables")
     a = p.parse_args(argv)

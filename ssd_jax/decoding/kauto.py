@@ -53,10 +53,20 @@ from ssd_jax.decoding.sd import sd_steps
 from ssd_jax.drafters.base import check_same_tokenizer
 from ssd_jax.drafters.ngram import ngram_lookup, ngram_proposals
 from ssd_jax.loading.registry import cache_root
+from ssd_jax.errors import UserError
 from ssd_jax.models import kernels
+from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.parallel.placement import cache_for, put_on
 
-__all__ = ["ALPHA_PRIOR", "CAL_TEXTS", "calibrate", "kauto_dir", "resolve_k"]
+__all__ = [
+    "ALPHA_PRIOR",
+    "CAL_TEXTS",
+    "calibrate",
+    "choose_draft_variant",
+    "draft_variants",
+    "kauto_dir",
+    "resolve_k",
+]
 
 FORMAT = 1
 CAL_TEXTS = (
@@ -87,7 +97,15 @@ def _draft_desc(spec, draft, rand_vocab: int) -> dict:
         return {"kind": "ngram", "n_min": spec.prompt_lookup_min, "n_max": spec.prompt_lookup_max}
     if spec.draft == "random":
         return {"kind": "random", "vocab": rand_vocab}
-    return {"kind": "model", "model": _fingerprint(draft)}
+    from ssd_jax.drafters.vocab import head_vocab
+
+    # the weights' dtype and the head's size name the variant (a trimmed head shares the embedding)
+    return {
+        "kind": "model",
+        "model": _fingerprint(draft),
+        "weight_dtype": draft.cfg.weight_dtype,
+        "head": head_vocab(draft),
+    }
 
 
 def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
@@ -106,7 +124,39 @@ def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
     return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def resolve_k(model, spec, sampling, batch: int, load):
+def _rand_vocab(model) -> int:
+    tok = model.tokenizer
+    return tok.vocab_size if tok is not None else model.cfg.vocab_size
+
+
+def _record(model, spec, draft, batch: int, target: dict) -> tuple[dict, str, Path]:
+    """(the calibration record of this target / draft / batch, "cache" or "measured", its file).
+    ``target`` memoises the target's side of a measurement across the drafts measured in one call."""
+    rand_vocab = _rand_vocab(model)
+    fields, key = _key(model, _draft_desc(spec, draft, rand_vocab), batch)
+    path = kauto_dir() / f"{key}.json"
+    rec = _read(path)
+    if rec is not None and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
+        return rec, "cache", path
+    if "part" not in target:
+        target["part"] = _target_part(model, batch)
+    rec = {**fields, **_draft_part(spec, draft, target["part"], rand_vocab)}
+    _write_atomic(path, rec)
+    return rec, "measured", path
+
+
+def _speedups(rec: dict) -> dict[int, float]:
+    c = rec["costs"]
+    return expected_speedups(
+        rec["alpha"],
+        c["t_ar"],
+        interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
+        c["t_draft_step"],
+        c["c_round"],
+    )
+
+
+def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = None):
     """(spec with an integer k, the ``k_auto`` metric or None, seconds spent) for a run of ``batch`` rows.
 
     Only ``k == "auto"`` with SD / SSD does anything; a draft named by a string is loaded here
@@ -120,22 +170,10 @@ def resolve_k(model, spec, sampling, batch: int, load):
         draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
         check_same_tokenizer(model, draft)
         spec = dataclasses.replace(spec, draft=draft)
-    tok = model.tokenizer
-    rand_vocab = tok.vocab_size if tok is not None else model.cfg.vocab_size
-    fields, key = _key(model, _draft_desc(spec, draft, rand_vocab), batch)
-    path = kauto_dir() / f"{key}.json"
-    rec, source, t0 = _read(path), "cache", time.perf_counter()
-    if rec is None or os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
-        rec, source = {**fields, **calibrate(model, spec, draft, batch, rand_vocab)}, "measured"
-        _write_atomic(path, rec)
+    t0 = time.perf_counter()
+    rec, source, path = _record(model, spec, draft, batch, {} if target is None else target)
     c = rec["costs"]
-    sp = expected_speedups(
-        rec["alpha"],
-        c["t_ar"],
-        interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
-        c["t_draft_step"],
-        c["c_round"],
-    )
+    sp = _speedups(rec)
     k = best_k(sp)
     # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
     plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
@@ -149,6 +187,112 @@ def resolve_k(model, spec, sampling, batch: int, load):
         "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0,
     }
     return dataclasses.replace(spec, k=k, k_plan=plan), info, info["calibration_s"]
+
+
+# --- the draft's variant: weight dtype and head size -----------------------------------------
+
+#: a draft whose weight matrices stream fewer bytes than this per step is not offered bfloat16
+#: weights: its weights stay in the caches, so halving them saves nothing (and tiny test models
+#: are not calibrated twice)
+BF16_MIN_BYTES = 32 << 20
+#: the head size tried for a draft with a large, untrimmed vocabulary (a 152k-token head is most
+#: of a 0.5B draft's bytes per step; 32,768 tokens cover ~99% of the offline corpus)
+TRIM_TRY = 32768
+
+
+def _matrix_bytes(draft) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(draft.params) if x.ndim >= 2))
+
+
+def draft_variants(model, spec, draft) -> list[tuple[str | None, int | None]]:
+    """The (draft_dtype, draft_vocab) pairs worth measuring for ``draft`` under ``model``: each
+    "auto" field becomes the choices that can pay on this hardware, a given one stays as given.
+
+    * dtype: the target's (None) and, for a float32 target whose draft streams at least
+      :data:`BF16_MIN_BYTES` of matrices a step, "bfloat16" (on CPU only where the kernels that
+      widen bfloat16 in registers run: XLA:CPU's own mixed dot is 10-20x slower);
+    * vocabulary: the full head (None) and, for a draft whose untrimmed head has more than
+      2 x :data:`TRIM_TRY` tokens, :data:`TRIM_TRY` (exact either way: q is 0 outside the head)."""
+    from ssd_jax.drafters.vocab import head_vocab
+
+    if spec.draft_dtype != "auto":
+        dtypes = [spec.draft_dtype]
+    else:
+        dtypes = [None]
+        on_cpu = jax.devices()[0].platform == "cpu"
+        if (
+            model.cfg.dtype == "float32"
+            and draft.cfg.weight_dtype in (None, "float32")
+            and _matrix_bytes(draft) >= BF16_MIN_BYTES
+            and (not on_cpu or kernels.available())
+        ):
+            dtypes.append("bfloat16")
+    if spec.draft_vocab != "auto":
+        vocabs = [spec.draft_vocab]
+    else:
+        vocabs = [None]
+        if head_vocab(draft) is None and draft.cfg.vocab_size > 2 * TRIM_TRY:
+            vocabs.append(TRIM_TRY)
+    return [(d, v) for d in dtypes for v in vocabs]
+
+
+def choose_draft_variant(model, spec, batch: int, load, target: dict | None = None):
+    """Resolve ``draft_dtype="auto"`` / ``draft_vocab="auto"`` (the defaults) for this target, draft,
+    batch size and machine: the variant (:func:`draft_variants`) whose calibrated expected speedup
+    (the best over K for ``k="auto"``, else at the given K) is largest. Every variant is exact; only
+    speed and acceptance differ, and the calibration measures both (α is measured with the variant's
+    own head). The measurements are cached as ``k="auto"``'s are, so the choice is made once.
+
+    Returns (spec with concrete ``draft_dtype`` / ``draft_vocab`` and the loaded draft, the
+    ``draft_auto`` metric or None, seconds spent measuring)."""
+    if spec.draft_dtype != "auto" and spec.draft_vocab != "auto":
+        return spec, None, 0.0
+    if spec.method == "ar" or spec.draft is None or spec.draft in ("ngram", "random"):
+        dt = None if spec.draft_dtype == "auto" else spec.draft_dtype
+        dv = None if spec.draft_vocab == "auto" else spec.draft_vocab
+        return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), None, 0.0
+    from ssd_jax.drafters.vocab import trimmed_draft
+    from ssd_jax.loading.loaded import with_weight_dtype
+
+    draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
+    check_same_tokenizer(model, draft)
+    spec = dataclasses.replace(spec, draft=draft)
+    variants = draft_variants(model, spec, draft)
+    if len(variants) == 1:
+        (dt, dv), info, spent = variants[0], None, 0.0
+    else:
+        t0, target = time.perf_counter(), {} if target is None else target
+        rows, measured = [], False
+        for dt, dv in variants:
+            v = with_weight_dtype(draft, dt) if dt is not None else draft
+            if dv is not None:
+                try:
+                    v = trimmed_draft(v, dv, load)
+                except (OSError, UserError) as e:  # e.g. no corpus to count tokens on: skip the variant
+                    print(f"warning: draft vocabulary {dv} not tried ({e})", file=sys.stderr)
+                    continue
+            rec, source, _ = _record(model, dataclasses.replace(spec, draft=v), v, batch, target)
+            measured |= source == "measured"
+            sp = _speedups(rec)
+            k = best_k(sp) if spec.k == "auto" else int(spec.k)
+            s = sp.get(k, max(sp.values()))
+            rows.append(
+                {
+                    "draft_dtype": dt,
+                    "draft_vocab": dv,
+                    "alpha": rec["alpha"],
+                    "t_draft_step": rec["costs"]["t_draft_step"],
+                    "k": k,
+                    "expected_speedup": round(s, 4),
+                }
+            )
+        best = max(rows, key=lambda r: r["expected_speedup"])
+        if multi_process():  # each process measured its own: all take process 0's choice
+            best = rows[agree(rows.index(best))]
+        dt, dv = best["draft_dtype"], best["draft_vocab"]
+        spent = time.perf_counter() - t0 if measured else 0.0
+        info = {"chosen": {"draft_dtype": dt, "draft_vocab": dv}, "variants": rows, "calibration_s": spent}
+    return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), info, spent
 
 
 def _read(path: Path):
@@ -235,8 +379,9 @@ def _simulate_alpha(seq: np.ndarray, start: int, propose) -> tuple[int, int]:
     return acc, rej
 
 
-def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
-    """Measure α and the stage costs (seconds) at ``batch`` rows; see the module docstring."""
+def _target_part(model, batch: int) -> dict:
+    """The target's side of a calibration at ``batch`` rows: its greedy continuation of the
+    calibration prompts (``seq``), ``t_ar`` and ``t_verify`` (the same for every draft)."""
     n_gen = max(0, min(N_GEN, model.cfg.max_position_embeddings - P_LEN - 2 * K_MAX - 2))
     max_len = P_LEN + n_gen + 2 * K_MAX + 2
     put = functools.partial(put_on, model)
@@ -260,6 +405,14 @@ def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
     t_verify = {k: _median_time(verify(k)) for k in VERIFY_KS}
     if t_ar is None:
         t_ar = t_verify[1]
+    return {"seq": seq, "n_gen": n_gen, "max_len": max_len, "t_ar": t_ar, "t_verify": t_verify}
+
+
+def _draft_part(spec, draft, target: dict, rand_vocab: int) -> dict:
+    """The draft's side: α on the target's continuation and its per-round costs, assembled with
+    ``target`` (:func:`_target_part`) into a calibration record."""
+    seq, n_gen, max_len = target["seq"], target["n_gen"], target["max_len"]
+    B = seq.shape[0]
     rows = min(B, len(CAL_TEXTS))
     acc = rej = 0
     t_draft_step = c_round = 0.0
@@ -295,8 +448,8 @@ def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
                 (0.0, "measured") if spec.draft == "ngram" and n_gen else (ALPHA_PRIOR, "prior")
             )
     costs = {
-        "t_ar": t_ar,
-        "t_verify": {str(k): v for k, v in t_verify.items()},
+        "t_ar": target["t_ar"],
+        "t_verify": {str(k): v for k, v in target["t_verify"].items()},
         "t_draft_step": t_draft_step,
         "c_round": c_round,
     }
@@ -306,3 +459,8 @@ def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
         "costs": costs,
         "calibration_tokens": int(rows * (seq.shape[1] - P_LEN)),
     }
+
+
+def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:
+    """Measure α and the stage costs (seconds) at ``batch`` rows; see the module docstring."""
+    return _draft_part(spec, draft, _target_part(model, batch), rand_vocab)

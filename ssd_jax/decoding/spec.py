@@ -44,10 +44,13 @@ class SpecConfig:
         before the previous round's tokens are read, and the stage times are reported as null.
       draft_vocab: keep only the N most frequent target tokens in the draft model's output head
         (``ssd_jax.drafters.vocab``; None = the full vocabulary). Exact: q is 0 outside the kept set.
+        "auto" (the default): the full head or a trimmed one, whichever the calibration expects to
+        be faster for this pair on this machine (:func:`ssd_jax.decoding.kauto.choose_draft_variant`).
       draft_dtype: store the draft model's weight matrices in this dtype ("float32" or "bfloat16";
         None = the target's dtype) while it computes in the target's dtype. Exact whatever it is
         (the draft only proposes); on CPU a float32 target with a "bfloat16" draft halves the
-        bytes each draft step streams (the CPU kernel widens them in registers).
+        bytes each draft step streams (the CPU kernel widens them in registers). "auto" (the
+        default): chosen by the calibration, as ``draft_vocab``.
       k_plan: SD only: choose K again after every round from the run's own acceptance
         (:class:`ssd_jax.analysis.kchoice.KPlan`: the calibration's α as a prior and its stage
         costs; ``k`` is the first round's K). ``k="auto"`` sets it for SD on one device (the
@@ -67,9 +70,9 @@ class SpecConfig:
     target_devices: int | None = None
     draft_devices: int | None = None
     profile_stages: bool = False
-    draft_vocab: int | None = None
+    draft_vocab: int | str | None = "auto"
     k_plan: Any = None
-    draft_dtype: str | None = None
+    draft_dtype: str | None = "auto"
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an
@@ -92,14 +95,14 @@ class SpecConfig:
                 f"{self.prompt_lookup_max}"
             )
         self._validate_ranges(n_devices)
-        if self.draft_dtype is not None:
+        if self.draft_dtype not in (None, "auto"):
             if self.method == "ar":
                 raise UserError("--draft-dtype sets the draft model's weights; method ar has no draft")
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
                 raise UserError(
                     f"--draft-dtype sets a draft model's weights; the {self.draft} drafter has none"
                 )
-        if self.draft_vocab is not None:
+        if self.draft_vocab not in (None, "auto"):
             if self.method == "ar":
                 raise UserError("--draft-vocab trims the draft model's head; method ar has no draft")
             if isinstance(self.draft, str) and self.draft in ("ngram", "random"):
@@ -136,11 +139,13 @@ class SpecConfig:
             if f < 1:
                 raise UserError(f"fan-out must be >= 1, got {f}")
         dv = self.draft_vocab
-        if dv is not None and (isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 1):
+        if dv not in (None, "auto") and (
+            isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 1
+        ):
             raise UserError(
                 f"draft-vocab must be a positive integer (tokens kept in the draft's head), got {dv!r}"
             )
-        if self.draft_dtype not in (None, *DRAFT_DTYPES):
+        if self.draft_dtype not in (None, "auto", *DRAFT_DTYPES):
             raise UserError(
                 f"unknown draft dtype {self.draft_dtype!r} (choose from {', '.join(DRAFT_DTYPES)})"
             )

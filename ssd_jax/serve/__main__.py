@@ -8,6 +8,7 @@ finish, what is left is cancelled, and the process exits 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import signal
 import sys
@@ -57,6 +58,12 @@ def run(argv=None) -> int:
     if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0 or args.context_buckets < 1:
         raise UserError("--max-batch, --prefill-chunk and --context-buckets must be >= 1, --max-waiting >= 0")
     spec.validate()
+    if spec.method == "ar" or spec.draft in ("ngram", "random"):  # nothing for "auto" to choose
+        spec = dataclasses.replace(
+            spec,
+            draft_dtype=None if spec.draft_dtype == "auto" else spec.draft_dtype,
+            draft_vocab=None if spec.draft_vocab == "auto" else spec.draft_vocab,
+        )
 
     import uvicorn
 
@@ -76,6 +83,11 @@ def run(argv=None) -> int:
         load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
         draft = load(spec.draft)
         check_same_tokenizer(model, draft)
+        from ssd_jax.decoding.kauto import choose_draft_variant
+
+        # draft_dtype / draft_vocab "auto": the variant calibrated fastest at --max-batch rows
+        spec, _, _ = choose_draft_variant(model, dataclasses.replace(spec, draft=draft), args.max_batch, load)
+        spec = dataclasses.replace(spec, draft=args.draft)
         if spec.draft_dtype is not None:
             draft = with_weight_dtype(draft, spec.draft_dtype)
         if spec.draft_vocab is not None:
@@ -85,8 +97,6 @@ def run(argv=None) -> int:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
     k_note = ""
     if spec.method != "ar" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
-        import dataclasses
-
         from ssd_jax.decoding.kauto import resolve_k
         from ssd_jax.sampling.filters import SamplingParams
 
@@ -104,7 +114,7 @@ def run(argv=None) -> int:
             print(
                 f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
                 f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
-                "(experiments/serving.md)",
+                "(docs/serving.md)",
                 file=sys.stderr,
                 flush=True,
             )

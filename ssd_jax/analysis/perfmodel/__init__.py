@@ -48,7 +48,7 @@ Modules
 per method), ``calibrate`` (fitting and validation against results files), ``scenarios``
 (the SSD paper's setting, our Qwen pair on an H200), ``measure`` (timing forward passes for
 the GPU check), ``render`` (markdown tables, the generated blocks of
-``experiments/perf_model.md``). The CLI is ``python -m ssd_jax.perfmodel``
+``docs/performance.md``). The CLI is ``python -m ssd_jax.perfmodel``
 (:mod:`ssd_jax.cli.perfmodel`). This package face re-exports the public names.
 
 Calibration and validation
