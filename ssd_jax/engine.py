@@ -85,7 +85,12 @@ def generate(
 
         res = generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
     elif spec.method == "sd":
-        from ssd_jax.decoding.sd import generate_sd
+        if spec.draft not in ("ngram", "random") and (
+            spec.target_devices is not None or spec.draft_devices is not None
+        ):  # a draft model on a mesh of its own
+            from ssd_jax.decoding.sd_two_mesh import generate_sd_two_meshes as generate_sd
+        else:
+            from ssd_jax.decoding.sd import generate_sd
 
         res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
     else:

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import platform
 import subprocess
+from pathlib import Path
+from typing import Any
 
 
 def environment() -> dict:
@@ -49,3 +51,22 @@ def load_draft(name: str, target):
             params={**target.params, "layers": target.params["layers"][:n]},
         )
     return ssd_jax.load_model(name)
+
+
+def saguaro_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path | None:
+    """An SSD sweep's cache hit rate against acceptance, one point per Saguaro C (None: < 2 Cs)."""
+    pts = [r for r in rows if r["config"]["method"] == "ssd" and "cache_hit_rate" in r]
+    if len({r["config"]["saguaro_c"] for r in pts}) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for r in pts:
+        ax.scatter(r["acceptance_rate"], r["cache_hit_rate"], color="C0")
+        ax.annotate(f"C={r['config']['saguaro_c']}", (r["acceptance_rate"], r["cache_hit_rate"]), fontsize=8)
+    ax.set_xlabel("acceptance rate")
+    ax.set_ylabel("cache hit rate")
+    ax.set_title(f"{p.stem}: Saguaro C trades acceptance for hits")
+    fig.tight_layout()
+    out = p.with_name(p.stem + "_hit_vs_acceptance.png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

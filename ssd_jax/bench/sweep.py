@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_jax.analysis import oracle
-from ssd_jax.bench.common import environment, load_draft
+from ssd_jax.bench.common import environment, load_draft, saguaro_plot
 from ssd_jax.data import prompts as prompt_sets
 from ssd_jax.errors import UserError
 
@@ -518,7 +518,7 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
         )
     lines += _breakdown_table(rows, label)
     md = p.with_suffix(".md")
-    extra_png = _saguaro_plot(p, rows, plt)
+    extra_png = saguaro_plot(p, rows, plt)
     md.write_text(
         "\n".join(lines)
         + f"\n\n![decode tok/s]({p.stem}.png)\n"
@@ -574,24 +574,6 @@ def _breakdown_table(rows: list[dict[str, Any]], label) -> list[str]:
             + " | ".join(f"{r[k] / tot:.0%}" for k in BREAKDOWN)
             + f" | {'-' if exp is None else f'{exp:.2f}'} | {tot:.2f} |"
         )
-    return out
-
-
-def _saguaro_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path | None:
-    pts = [r for r in rows if r["config"]["method"] == "ssd" and "cache_hit_rate" in r]
-    if len({r["config"]["saguaro_c"] for r in pts}) < 2:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in pts:
-        ax.scatter(r["acceptance_rate"], r["cache_hit_rate"], color="C0")
-        ax.annotate(f"C={r['config']['saguaro_c']}", (r["acceptance_rate"], r["cache_hit_rate"]), fontsize=8)
-    ax.set_xlabel("acceptance rate")
-    ax.set_ylabel("cache hit rate")
-    ax.set_title(f"{p.stem}: Saguaro C trades acceptance for hits")
-    fig.tight_layout()
-    out = p.with_name(p.stem + "_hit_vs_acceptance.png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out
 
 
