@@ -200,8 +200,19 @@ BF16_MIN_BYTES = 32 << 20
 TRIM_TRY = 32768
 
 
-def _matrix_bytes(draft) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(draft.params) if x.ndim >= 2))
+def _streamed_bytes(draft) -> int:
+    """Bytes of weight matrices one draft step reads: the embedding counts only as a tied head."""
+    p = draft.params
+    n = sum(
+        x.size * x.dtype.itemsize
+        for k, v in p.items()
+        if k != "embed"
+        for x in jax.tree.leaves(v)
+        if x.ndim >= 2
+    )
+    if draft.cfg.tie_embeddings and "head" not in p:  # no trimmed head of its own: the embedding is the head
+        n += p["embed"].size * p["embed"].dtype.itemsize
+    return int(n)
 
 
 def draft_variants(model, spec, draft) -> list[tuple[str | None, int | None]]:
@@ -223,7 +234,7 @@ def draft_variants(model, spec, draft) -> list[tuple[str | None, int | None]]:
         if (
             model.cfg.dtype == "float32"
             and draft.cfg.weight_dtype in (None, "float32")
-            and _matrix_bytes(draft) >= BF16_MIN_BYTES
+            and _streamed_bytes(draft) >= BF16_MIN_BYTES
             and (not on_cpu or kernels.available())
         ):
             dtypes.append("bfloat16")
