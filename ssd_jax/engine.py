@@ -78,7 +78,10 @@ def generate(
     # time counts as compile time
     spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load, target_cal)
     if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K, fixed
-        spec = dataclasses.replace(spec, k=agree(spec.k), k_plan=None)
+        budget = spec.fan_out_budget  # SSD's round plan chooses it with K
+        spec = dataclasses.replace(
+            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
+        )
     spec.validate()
     if spec.method == "ssd":
         from ssd_jax.decoding.ssd.loop import generate_ssd
@@ -94,7 +97,7 @@ def generate(
 
         res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
     else:
-        return generate_ar(model, list(prompts), ids, sampling, spec, on_text)
+        return _record_cpus(generate_ar(model, list(prompts), ids, sampling, spec, on_text))
     if k_auto is not None:  # did the loop re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
@@ -109,4 +112,25 @@ def generate(
 
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
+    return _record_cpus(res)
+
+
+def _record_cpus(res: GenerationResult) -> GenerationResult:
+    """``cpus``: the cores this process may run on (``SSD_JAX_CPUS``, ``launch --cpus-per-process``).
+    Across processes also ``process_cpus`` (each process's, in process order) and, beside the
+    meshes' processes, ``devices.target_cpus`` / ``draft_cpus`` (process 0's metrics only; collective)."""
+    from ssd_jax.xla_env import cpus
+
+    m = res.metrics
+    m["cpus"] = cpus()
+    if multi_process():
+        from ssd_jax.parallel.distributed import gather_to_main
+
+        per = gather_to_main(m["cpus"])
+        if per is not None:
+            m["process_cpus"] = per
+            dev = m.get("devices")
+            for side in ("target", "draft"):
+                if isinstance(dev, dict) and f"{side}_processes" in dev:
+                    dev[f"{side}_cpus"] = sorted({c for i in dev[f"{side}_processes"] for c in per[i]})
     return res

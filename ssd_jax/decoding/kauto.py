@@ -129,20 +129,69 @@ def _rand_vocab(model) -> int:
     return tok.vocab_size if tok is not None else model.cfg.vocab_size
 
 
+def _ssd_rows(batch: int) -> tuple[int, ...]:
+    """Row counts at which SSD's calibration times a draft step (its build runs B·M rows a step)."""
+    return tuple(sorted({batch, 4 * batch, 12 * batch, 28 * batch}))
+
+
+def _needs_rows(spec, draft) -> bool:
+    return spec.method == "ssd" and draft is not None
+
+
 def _record(model, spec, draft, batch: int, target: dict) -> tuple[dict, str, Path]:
     """(the calibration record of this target / draft / batch, "cache" or "measured", its file).
-    ``target`` memoises the target's side of a measurement across the drafts measured in one call."""
+    ``target`` memoises the target's side of a measurement across the drafts measured in one call.
+    SSD needs the draft's step at several row counts: a record made for SD is measured again."""
     rand_vocab = _rand_vocab(model)
     fields, key = _key(model, _draft_desc(spec, draft, rand_vocab), batch)
     path = kauto_dir() / f"{key}.json"
     rec = _read(path)
-    if rec is not None and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
+    rows = _ssd_rows(batch) if _needs_rows(spec, draft) else ()
+    complete = rec is not None and (not rows or "t_draft_rows" in rec["costs"])
+    if complete and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
         return rec, "cache", path
     if "part" not in target:
         target["part"] = _target_part(model, batch)
-    rec = {**fields, **_draft_part(spec, draft, target["part"], rand_vocab)}
+    rec = {**fields, **_draft_part(spec, draft, target["part"], rand_vocab, rows)}
     _write_atomic(path, rec)
     return rec, "measured", path
+
+
+def _two_meshes(spec) -> bool:
+    return spec.target_devices is not None or spec.draft_devices is not None
+
+
+def _ssd_plans(rec: dict, spec, batch: int) -> list[dict]:
+    """SSD's candidate rounds (:func:`.ssd.plan.round_plans`) within what the spec fixes: a given K,
+    a given fan-out budget or uniform fan-out, budgets that divide over the draft devices."""
+    from ssd_jax.decoding.ssd.plan import M_PER_POSITION, round_plans
+
+    ks = range(1, K_MAX + 1) if spec.k == "auto" else [int(spec.k)]
+    n_dd = (spec.draft_devices or 1) if _two_meshes(spec) else 1
+    budgets = {}
+    for k in ks:
+        if spec.fan_out != "geometric":
+            budgets[k] = [int(spec.fan_out) * (k + 1)]
+        elif spec.fan_out_budget is not None:
+            budgets[k] = [int(spec.fan_out_budget)]
+        else:
+            budgets[k] = sorted({-(-m * (k + 1) // n_dd) * n_dd for m in M_PER_POSITION})
+    return round_plans(rec, batch, _two_meshes(spec), ks, budgets)
+
+
+def _score(rec: dict, spec, batch: int) -> tuple[int, int | None, float]:
+    """(K, SSD's fan-out budget or None, expected speedup over AR) of the best round for ``spec``'s
+    method: SD's K model (:func:`ssd_jax.analysis.kchoice.expected_speedups`), or SSD's round model."""
+    if spec.method == "ssd" and "t_draft_rows" in rec["costs"]:
+        from ssd_jax.decoding.ssd.plan import best_plan
+
+        plans = _ssd_plans(rec, spec, batch)
+        if plans:
+            b = best_plan(plans)
+            return b["k"], b["budget"], b["expected_speedup"]
+    sp = _speedups(rec)
+    k = best_k(sp) if spec.k == "auto" else int(spec.k)
+    return k, None, sp.get(k, max(sp.values()))
 
 
 def _speedups(rec: dict) -> dict[int, float]:
@@ -175,9 +224,21 @@ def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = Non
     c = rec["costs"]
     sp = _speedups(rec)
     k = best_k(sp)
+    extra: dict = {}
+    if spec.method == "ssd" and "t_draft_rows" in c:  # SSD prices its own round: K and the fan-out budget
+        from ssd_jax.decoding.ssd.plan import best_plan
+
+        plans = _ssd_plans(rec, spec, batch)
+        if plans:
+            best = best_plan(plans)
+            k = best["k"]
+            if spec.fan_out == "geometric" and spec.fan_out_budget is None:
+                spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
+            extra = {"ssd_plan": best, "ssd_overlap_model": _two_meshes(spec)}
     # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
     plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
     info = {
+        **extra,
         "alpha": rec["alpha"],
         "alpha_source": rec["alpha_source"],
         "costs": c,
@@ -284,9 +345,7 @@ def choose_draft_variant(model, spec, batch: int, load, target: dict | None = No
                     continue
             rec, source, _ = _record(model, dataclasses.replace(spec, draft=v), v, batch, target)
             measured |= source == "measured"
-            sp = _speedups(rec)
-            k = best_k(sp) if spec.k == "auto" else int(spec.k)
-            s = sp.get(k, max(sp.values()))
+            k, _, s = _score(rec, spec, batch)
             rows.append(
                 {
                     "draft_dtype": dt,
@@ -354,11 +413,12 @@ def _median_time(fn, reps: int = REPS) -> float:
     return float(np.median(ts))
 
 
-def _step_through(model, seq: np.ndarray, start: int, max_len: int, generate: bool):
+def _step_through(model, seq: np.ndarray, start: int, max_len: int, generate: bool, ranks=None):
     """Feed ``seq`` (B, L) to ``model`` one token per compiled call (the 1-token verify forward, logits
     included). With ``generate``, positions after ``start`` are overwritten by the greedy continuation.
     Returns (the model's argmax after each position (B, L - 1), median seconds per step from position
-    ``start`` on, the cache holding positions 0..L-2)."""
+    ``start`` on, the cache holding positions 0..L-2). ``ranks``: a (B, L - 1) array to fill with the
+    rank of ``seq``'s next token among the model's logits (0: its argmax)."""
     B, L = seq.shape
     put = functools.partial(put_on, model)
     score, _ = sd_steps(model.cfg, False)
@@ -372,7 +432,11 @@ def _step_through(model, seq: np.ndarray, start: int, max_len: int, generate: bo
         if i >= start:
             times.append(time.perf_counter() - t)
         cache = cache.with_lengths(cache.lengths + 1)
-        pred[:, i] = np.asarray(logits[:, 0]).argmax(-1)
+        lg = np.asarray(logits[:, 0])
+        pred[:, i] = lg.argmax(-1)
+        if ranks is not None:
+            nxt = lg[np.arange(B), seq[:, i + 1]]
+            ranks[:, i] = (lg > nxt[:, None]).sum(-1)
         if generate and i + 1 > start:
             seq[:, i + 1] = pred[:, i]
     return pred, float(np.median(times)) if times else None, cache
@@ -419,10 +483,13 @@ def _target_part(model, batch: int) -> dict:
     return {"seq": seq, "n_gen": n_gen, "max_len": max_len, "t_ar": t_ar, "t_verify": t_verify}
 
 
-def _draft_part(spec, draft, target: dict, rand_vocab: int) -> dict:
+def _draft_part(spec, draft, target: dict, rand_vocab: int, row_counts=()) -> dict:
     """The draft's side: α on the target's continuation and its per-round costs, assembled with
-    ``target`` (:func:`_target_part`) into a calibration record."""
+    ``target`` (:func:`_target_part`) into a calibration record. A draft model also records the
+    rank of each target token among its logits (SSD's hits), and with ``row_counts`` the time of
+    one draft step at each of those row counts (SSD's build)."""
     seq, n_gen, max_len = target["seq"], target["n_gen"], target["max_len"]
+    extra: dict = {}
     B = seq.shape[0]
     rows = min(B, len(CAL_TEXTS))
     acc = rej = 0
@@ -447,7 +514,15 @@ def _draft_part(spec, draft, target: dict, rand_vocab: int) -> dict:
     else:
         # the draft teacher-forced on the target's tokens, one step per call (timed): its greedy proposal
         # j of a round is right exactly when proposals 1..j are, so the leading matches are its rounds
-        pred, t_draft_step, _ = _step_through(draft, seq, P_LEN, max_len, generate=False)
+        ranks = np.zeros((B, seq.shape[1] - 1), np.int64)
+        pred, t_draft_step, _ = _step_through(draft, seq, P_LEN, max_len, generate=False, ranks=ranks)
+        extra["ranks"], extra["rank_start"] = ranks[:rows].tolist(), P_LEN + 1
+        if row_counts:  # SSD's build: one draft step at many rows
+            t_rows = {}
+            for R in row_counts:
+                seq_R = np.resize(seq[:, : P_LEN + 6], (R, P_LEN + 6))
+                t_rows[str(R)] = _step_through(draft, seq_R, P_LEN, max_len, generate=False)[1]
+            extra["t_draft_rows"] = t_rows
         for b in range(rows):
             a, r = _simulate_alpha(seq[b], P_LEN + 1, lambda t, b=b: pred[b, t - 1 : t - 1 + K_MAX])
             acc, rej = acc + a, rej + r
@@ -464,7 +539,10 @@ def _draft_part(spec, draft, target: dict, rand_vocab: int) -> dict:
         "t_draft_step": t_draft_step,
         "c_round": c_round,
     }
+    if "t_draft_rows" in extra:
+        costs["t_draft_rows"] = extra.pop("t_draft_rows")
     return {
+        **extra,
         "alpha": float(alpha),
         "alpha_source": alpha_source,
         "costs": costs,
