@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ssd_jax.bench.common import environment
+from ssd_jax.bench.fair import hardware_fair
 from ssd_jax.bench.stats import clustered, mean_ci, ratio_ci
 from ssd_jax.bench.sweep import append_row
 from ssd_jax.bench.sweep import read_results as read_rows
@@ -264,11 +265,16 @@ def run_protocol(
     warmup: bool = True,
     env_extra: dict | None = None,
     progress: bool = True,
+    local: set[str] | None = None,
+    write: bool = True,
 ) -> Path:
     """Run (or resume) the protocol: every runner on every unit, ``repeats`` times, interleaved.
 
     ``runners``: method name -> callable ``(prompts, new_tokens) -> run metrics`` (optionally
-    with ``warm(units, new_tokens)``), one of them ``ar``. Appends to ``out_path`` (JSONL)."""
+    with ``warm(units, new_tokens)``), one of them ``ar``. Appends to ``out_path`` (JSONL).
+    Under ``jax.distributed`` every process walks the same schedule: ``local`` names the methods
+    this process takes part in (None: all; the others are skipped), and only the process with
+    ``write`` records rows."""
     if "ar" not in runners:
         raise UserError("the protocol needs an 'ar' runner: every ratio is against it")
     if repeats < 1 or not units:
@@ -312,17 +318,22 @@ def run_protocol(
         "batch_size": batch,
         "units": len(units),
     }
-    append_row(
-        path, {"kind": "env", "time": time.time(), "config": config, **environment(), **(env_extra or {})}
-    )
+    if write:
+        row = {"kind": "env", "time": time.time(), "config": config, **environment(), **(env_extra or {})}
+        append_row(path, row)
     if warmup:
         for name, run in runners.items():
+            if local is not None and name not in local:
+                continue
             t = time.perf_counter()
             warm = getattr(run, "warm", None)
             shapes = warm(units, new_tokens) if warm else (run(units[0].prompts, new_tokens), 1)[1]
             print(f"warm-up {name}: {shapes} shape(s), {time.perf_counter() - t:.1f} s", flush=True)
     bar = _bar(len(todo), progress)
     for r, pos, u, name in todo:
+        if local is not None and name not in local:
+            bar.update(1)
+            continue
         order_now = run_order(list(runners), pos, r, order, seed)
         before = os.getloadavg()[0]
         m = runners[name](u.prompts, new_tokens)
@@ -343,7 +354,8 @@ def run_protocol(
         }
         if "token_ids" in m:
             row["tokens_sha"] = _sha(m["token_ids"])
-        append_row(path, row)
+        if write:
+            append_row(path, row)
         bar.update(1)
         bar.set_postfix_str(f"{u.category}[{u.index}] r{r} {name} {row['decode_tok_s']:.2f} tok/s")
     bar.close()
@@ -524,8 +536,10 @@ def suite(args) -> Path:
     needs_draft = any(m.split(":")[0] in ("sd", "ssd") and "@" not in m for m in args.methods)
     draft = load_draft(args.draft, target) if needs_draft else None
     specs = method_specs(args.methods, draft, lambda ref: load_draft(ref, target))
-    bw = args.bandwidth or measure_bandwidth()
+    specs, local, write, fair = hardware_fair(specs)
+    bw = args.bandwidth or (measure_bandwidth() if write else 0.0)  # one process measures, alone
     env_extra = {
+        **fair,
         "target": target.name,
         "draft": draft.name if draft else None,
         "bandwidth_gb_s": bw,
@@ -557,5 +571,9 @@ def suite(args) -> Path:
             order=args.order,
             seed=args.seed,
             env_extra=env_extra,
+            local=local,
+            write=write,
         )
+    if not write:
+        return path
     return write_report(path, f"Benchmark protocol: {target.name}" + (f" / {draft.name}" if draft else ""))

@@ -100,6 +100,12 @@ def main(argv=None) -> int:
         "in <out>/<name>.jsonl, then its report (see ssd_jax/bench/sweep.py)",
     )
     p.add_argument("--report", metavar="RESULTS_JSONL", help="render a sweep's markdown table and plot")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="protocol: run as one process of a jax.distributed run (set by python -m ssd_jax.launch ... "
+        "bench): the hardware-fair protocol, SSD's draft in process 1, every other method in process 0",
+    )
     args = p.parse_args(argv)
     if args.sweep or args.report or args.suite in ("smoke", "paper"):
         given = argv if argv is not None else sys.argv[1:]
@@ -144,7 +150,13 @@ def main(argv=None) -> int:
             print(f"wrote {mod.suite(args)}", file=sys.stderr)
             return 0
 
+        if args.distributed and args.suite == "protocol":
+            from ssd_jax.cli.decode import run_distributed
+
+            return run_distributed(go, args)
         return cli_main(go, None)
+    if args.distributed:
+        raise SystemExit("error: --distributed runs the protocol suite only (--suite protocol)")
     if args.child_ar:
         print(json.dumps(suites.ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
         return 0

@@ -94,8 +94,13 @@ def read_prompts(args) -> list:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.distributed:
-        return _run(args)
+    return run_distributed(_run, args) if args.distributed else _run(args)
+
+
+def run_distributed(fn, args) -> int:
+    """``fn(args)`` as one process of a ``jax.distributed`` run (``--distributed``, set by
+    ``python -m ssd_jax.launch``): initialise first, and turn any failure into one line and an
+    immediate exit, so a peer is not left waiting in a collective or in JAX's shutdown barrier."""
     from ssd_jax.errors import UserError
     from ssd_jax.parallel import distributed as dist
 
@@ -105,7 +110,7 @@ def run(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - any start-up failure is one line
         dist.fail_fast(f"jax.distributed.initialize failed: {_first_line(e)}")
     try:
-        rc = _run(args)
+        rc = fn(args)
         dist.finish()
         return rc
     except UserError as e:  # exit now: a peer that did not fail would wait in JAX's shutdown barrier
