@@ -10,6 +10,12 @@ GPU machine. ``jax.devices()`` then lists every process's devices in process ord
 ``--target-devices M --draft-devices N`` with M = N = devices-per-process puts the target on
 process 0 and the draft on process 1.
 
+``--cpus-per-process N`` gives process i the cores [i*N, (i+1)*N) of those the launcher may use
+(``os.sched_getaffinity``, sorted), through ``SSD_JAX_CPUS``, which ``import ssd_jax`` applies
+before JAX starts (:mod:`ssd_jax.xla_env`; XLA sizes its thread pool from it). SSD's draft then
+computes on hardware of its own, as the target's verify does (on a GPU machine each process gets
+its own GPUs already). Without it every process may use every core.
+
 Process 0's stdout is forwarded as it is (so ``--json`` output parses); every process's stderr
 (and the other processes' stdout) goes to stderr, each line prefixed ``[pN]``. When a process
 exits with a non-zero status the launcher stops the others and exits with that status (128 +
@@ -44,6 +50,14 @@ def build_parser() -> Parser:
         choices=("auto", "cpu", "gpu"),
         help="cpu: fake CPU devices; gpu: split the GPUs; auto: gpu when nvidia-smi lists any",
     )
+    p.add_argument(
+        "--cpus-per-process",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin process i to cores [i*N, (i+1)*N) of those this launcher may use "
+        "(default: no pinning, every process may use every core)",
+    )
     p.add_argument("--port", type=int, default=0, help="coordinator port on localhost (default: a free one)")
     p.add_argument(
         "--no-kill",
@@ -72,8 +86,31 @@ def _gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def process_env(i: int, n: int, per: int, port: int, platform: str, base: dict) -> dict:
+def assign_cpus(processes: int, per: int, available=None) -> list[list[int]]:
+    """Disjoint core sets: process i gets cores [i*per, (i+1)*per) of ``available`` (default: the
+    cores this process may use), sorted. A UserError when there are not enough."""
+    from ssd_jax.errors import UserError
+    from ssd_jax.xla_env import cpus
+
+    cores = sorted(available) if available is not None else cpus()
+    if per < 1:
+        raise UserError("--cpus-per-process must be >= 1")
+    if processes * per > len(cores):
+        raise UserError(
+            f"--cpus-per-process {per} x {processes} processes needs {processes * per} cores; "
+            f"this launcher may use {len(cores)} ({','.join(map(str, cores))})"
+        )
+    return [cores[i * per : (i + 1) * per] for i in range(processes)]
+
+
+def process_env(
+    i: int, n: int, per: int, port: int, platform: str, base: dict, cpus: list[int] | None = None
+) -> dict:
     env = dict(base)
+    if cpus is not None:  # applied by ssd_jax.xla_env on import, before JAX starts
+        from ssd_jax.xla_env import CPUS_ENV
+
+        env[CPUS_ENV] = ",".join(map(str, cpus))
     env.update(
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES=str(n),
@@ -128,6 +165,11 @@ def run(argv=None) -> int:
         raise UserError(
             f"{args.processes} x {args.devices_per_process} GPUs asked for, {_gpu_count()} present"
         )
+    pins = (
+        assign_cpus(args.processes, args.cpus_per_process)
+        if args.cpus_per_process is not None
+        else [None] * args.processes
+    )
     port = args.port or free_port()
     cmd = [sys.executable, "-m", COMMANDS[args.command], "--distributed", *args.args]
     out_b, err_b = sys.stdout.buffer, sys.stderr.buffer
@@ -135,7 +177,7 @@ def run(argv=None) -> int:
     for i in range(args.processes):
         p = subprocess.Popen(
             cmd,
-            env=process_env(i, args.processes, args.devices_per_process, port, platform, os.environ),
+            env=process_env(i, args.processes, args.devices_per_process, port, platform, os.environ, pins[i]),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -150,7 +192,8 @@ def run(argv=None) -> int:
             ),
             threading.Thread(target=_forward, args=(p.stderr, err_b, prefix), daemon=True),
         ]
-        err_b.write(f"[launch] process {i} pid {p.pid}\n".encode())
+        on = f" cpus {','.join(map(str, pins[i]))}" if pins[i] is not None else ""
+        err_b.write(f"[launch] process {i} pid {p.pid}{on}\n".encode())
     err_b.flush()
     for t in threads:
         t.start()

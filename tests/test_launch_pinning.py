@@ -1,0 +1,164 @@
+"""Hardware of its own per process: ``python -m ssd_jax.launch --cpus-per-process N`` and ``SSD_JAX_CPUS``
+(applied by ``ssd_jax.xla_env`` on import, before JAX starts). Process i gets a disjoint set of cores,
+XLA's thread pool follows, and a run records the cores each process used."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ssd_jax.cli.launch import assign_cpus
+from ssd_jax.cli.launch import main as launch_main
+from ssd_jax.errors import UserError
+from ssd_jax.xla_env import CPUS_ENV, cpus, parse_cpus
+
+IDS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+N_NEW = 12
+AVAILABLE = cpus()
+needs_two_cores = pytest.mark.skipif(
+    len(AVAILABLE) < 2, reason=f"needs 2 usable cores to give each process its own; this one has {AVAILABLE}"
+)
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device per process (the launcher sets its own count)
+    env.pop(CPUS_ENV, None)
+    env.update(extra)
+    return env
+
+
+def _tokens(res):
+    outs = res["outputs"] if isinstance(res, dict) else res.outputs
+    return [o["token_ids"] for o in outs]
+
+
+def test_core_lists_parse():
+    assert parse_cpus("0") == [0]
+    assert parse_cpus("3,1") == [1, 3]
+    assert parse_cpus("0-2,5, 1") == [0, 1, 2, 5]
+    for bad in ("", "a", "2-1", "-1", ","):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_processes_get_disjoint_cores_and_too_many_are_refused():
+    assert assign_cpus(2, 1, [0, 1]) == [[0], [1]]
+    assert assign_cpus(2, 2, [7, 1, 3, 5, 0]) == [[0, 1], [3, 5]]  # sorted, in order, the rest unused
+    assert assign_cpus(1, 2, [4, 6]) == [[4, 6]]
+    sets = assign_cpus(3, 2, range(8))
+    assert all(not set(a) & set(b) for i, a in enumerate(sets) for b in sets[i + 1 :])
+    with pytest.raises(UserError, match="needs 3 cores"):
+        assign_cpus(3, 1, [0, 1])
+    with pytest.raises(UserError, match=">= 1"):
+        assign_cpus(2, 0, [0, 1])
+    assert assign_cpus(len(AVAILABLE), 1) == [[c] for c in AVAILABLE]  # default: this process's cores
+
+
+def test_the_launcher_refuses_more_cores_than_it_has_in_one_line(capsys):
+    n = len(AVAILABLE) + 1
+    rc = launch_main(
+        ["--processes", str(n), "--cpus-per-process", "1", "--platform", "cpu", "decode", "--target", "x"]
+    )
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert err.count("\n") == 1 and err.startswith("error: --cpus-per-process 1"), err
+    assert "[launch]" not in err  # nothing was started
+
+
+def test_ssd_jax_cpus_pins_every_thread_and_sizes_xlas_pool():
+    """One process, as the hardware-fair AR / SD runs use it: every thread on the one core, and
+    XLA's intra-op pool (threads named "tf_XLAEigen") one thread, not one per core of the machine."""
+    core = AVAILABLE[-1]
+    code = (
+        "import os, json, ssd_jax, jax, jax.numpy as jnp\n"
+        "jnp.ones((64, 64)).dot(jnp.ones((64, 64))).block_until_ready()\n"
+        "tasks = os.listdir('/proc/self/task')\n"
+        "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in tasks]\n"
+        "print(json.dumps({'pinned': ssd_jax.xla_env.PINNED,"
+        " 'threads': sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tasks}),"
+        " 'eigen': sum(n.endswith('XLAEigen') for n in names)}))\n"
+    )
+    run = lambda extra: subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(**extra)
+    )
+    p = run({CPUS_ENV: str(core)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    assert got["pinned"] == [core]
+    assert got["threads"] == [[core]]  # every thread, those started before the import included
+    assert got["eigen"] == 1, got
+    free = run({})  # unpinned: one pool thread per core this process may use
+    assert free.returncode == 0, free.stderr[-2000:]
+    assert json.loads(free.stdout)["eigen"] == len(AVAILABLE)
+    bad = run({CPUS_ENV: "100000"})
+    assert bad.returncode != 0 and f"{CPUS_ENV}=100000" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def ar_run(tiny_llama_path):
+    from ssd_jax import SamplingParams, generate, load_model
+
+    return generate(load_model(tiny_llama_path), IDS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))
+
+
+def test_a_run_records_its_cores(ar_run):
+    assert ar_run.metrics["cpus"] == AVAILABLE
+    assert "process_cpus" not in ar_run.metrics  # one process
+
+
+@needs_two_cores
+def test_ssd_with_each_process_on_its_own_core_emits_ar_tokens(
+    tiny_llama_path, tiny_llama_draft_path, ar_run
+):
+    ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ssd_jax.launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--cpus-per-process",
+        "1",
+        "--platform",
+        "cpu",
+        "decode",
+        "--target",
+        tiny_llama_path,
+        "--draft",
+        tiny_llama_draft_path,
+        "--method",
+        "ssd",
+        "--target-devices",
+        "1",
+        "--draft-devices",
+        "1",
+        *ids,
+        "--max-new-tokens",
+        str(N_NEW),
+        "--ignore-eos",
+        "--k",
+        "3",
+        "--draft-dtype",
+        "float32",
+        "--draft-vocab",
+        "full",
+        "--json",
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert _tokens(res) == _tokens(ar_run)
+    a, b = AVAILABLE[:2]
+    m = res["metrics"]
+    assert m["cpus"] == [a]  # process 0's own
+    assert m["process_cpus"] == [[a], [b]]
+    dev = m["devices"]
+    assert (dev["target_processes"], dev["draft_processes"]) == ([0], [1])
+    assert (dev["target_cpus"], dev["draft_cpus"]) == ([a], [b])
+    assert re.search(rf"^\[launch\] process 1 pid \d+ cpus {b}$", p.stderr, re.M), p.stderr[-2000:]
