@@ -201,23 +201,50 @@ def quiet_orbax() -> None:
 
 
 def restore_params(item_dir: str | os.PathLike, abstract: dict[str, Any]) -> dict[str, Any]:
-    """Restore an orbax pytree checkpoint into the structure/shapes of ``abstract``."""
+    """Restore an orbax pytree checkpoint as host numpy arrays in the structure, shapes and dtypes of
+    ``abstract`` (a pytree of ``jax.ShapeDtypeStruct``s or arrays), in this process alone.
+
+    Under ``jax.distributed`` every process loads the draft (SPMD) but any of them may hold the draft's
+    devices, so the restore involves no device and no other process: no sharding (a jax.Array restore
+    onto a device of another process has no addressable shard and fails), and orbax's barriers limited
+    to this process (``active_processes``; by default orbax ends every restore with a collective over
+    all processes' devices, which waits forever for a peer that failed or restores at another time).
+    The arrays are placed afterwards like any loaded model's. The values are the stored ones,
+    bit for bit (read by tensorstore, cast to ``abstract``'s dtype as a device restore would).
+    """
+    import jax
     import orbax.checkpoint as ocp
 
     quiet_orbax()
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(Path(item_dir).absolute(), abstract)
+    me = jax.process_index()
+    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    item = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(a.dtype)), abstract)
+    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), item)
+    ckptr = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(multiprocessing_options=mp), multiprocessing_options=mp
+    )
+    try:
+        out = ckptr.restore(
+            Path(item_dir).absolute(), args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        )
+    finally:
+        ckptr.close()
+    if jax.tree.structure(out) != jax.tree.structure(item):
+        raise ValueError(f"stored tree {jax.tree.structure(out)}, expected {jax.tree.structure(item)}")
+    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(item), jax.tree.leaves(out)):
+        if not isinstance(g, np.ndarray) or g.shape != w.shape or g.dtype != w.dtype:
+            desc = f"{type(g).__name__} {getattr(g, 'shape', '?')} {getattr(g, 'dtype', '?')}"
+            raise ValueError(f"{jax.tree_util.keystr(path)}: stored {desc}, expected {w.shape} {w.dtype}")
+    return out
 
 
 def _abstract_trained(cfg: ModelConfig, shared: list[str]) -> dict[str, Any]:
-    """ShapeDtypeStructs (float32, device 0) of the trained tensors as the nested pytree."""
+    """ShapeDtypeStructs (float32, no device: restored to the host) of the trained tensors as the
+    nested pytree."""
     import jax
 
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     specs = param_specs(cfg)
-    flat = {
-        n: jax.ShapeDtypeStruct(specs[n][0], np.float32, sharding=dev) for n in trained_names(cfg, shared)
-    }
+    flat = {n: jax.ShapeDtypeStruct(specs[n][0], np.float32) for n in trained_names(cfg, shared)}
     return nest_trained(cfg, flat)
 
 
