@@ -97,7 +97,7 @@ def generate(
 
         res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
     else:
-        return _record_cpus(generate_ar(model, list(prompts), ids, sampling, spec, on_text))
+        return _record_cpus(generate_ar(model, list(prompts), ids, sampling, spec, on_text), spec)
     if k_auto is not None:  # did the loop re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
@@ -112,18 +112,20 @@ def generate(
 
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
-    return _record_cpus(res)
+    return _record_cpus(res, spec)
 
 
-def _record_cpus(res: GenerationResult) -> GenerationResult:
+def _record_cpus(res: GenerationResult, spec: SpecConfig) -> GenerationResult:
     """``cpus``: the cores this process may run on (``SSD_JAX_CPUS``, ``launch --cpus-per-process``).
-    Across processes also ``process_cpus`` (each process's, in process order) and, beside the
-    meshes' processes, ``devices.target_cpus`` / ``draft_cpus`` (process 0's metrics only; collective)."""
+    When the run's meshes span processes, also ``process_cpus`` (each process's, in process order) and,
+    beside the meshes' processes, ``devices.target_cpus`` / ``draft_cpus`` (process 0's metrics only; a
+    collective, so only where every process runs this generate: a one-device run under
+    ``jax.distributed`` is each process's own, and a peer may not be running it at all)."""
     from ssd_jax.xla_env import cpus
 
     m = res.metrics
     m["cpus"] = cpus()
-    if multi_process():
+    if multi_process() and (spec.target_devices is not None or spec.draft_devices is not None):
         from ssd_jax.parallel.distributed import gather_to_main
 
         per = gather_to_main(m["cpus"])

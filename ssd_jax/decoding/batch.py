@@ -240,6 +240,11 @@ class Batch:
         return speed_metrics(self.rows, wall, ttft, compile_s, self.n_valid)
 
 
-def seed_key(seed: int, put) -> jax.Array:
-    """The run's PRNG key from its seed, placed by ``put`` (every method derives its streams from it)."""
-    return jax.random.wrap_key_data(put(jax.random.key_data(jax.random.key(seed))))
+def seed_key(seed: int, put, fold: int | None = None) -> jax.Array:
+    """The run's PRNG key from its seed (folded with ``fold`` if given), placed by ``put`` (every method
+    derives its streams from it). Folded before it is placed: an eager op on an array of another
+    process's devices (SSD's draft mesh under ``jax.distributed``) crashed the second run in a process."""
+    key = jax.random.key(seed)
+    if fold is not None:
+        key = jax.random.fold_in(key, fold)
+    return jax.random.wrap_key_data(put(jax.random.key_data(key)))

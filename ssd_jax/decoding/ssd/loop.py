@@ -140,8 +140,8 @@ def generate_ssd(model, prompts, ids, sampling, spec, on_text, load, trace_path=
 
     rs_host = RowSampling.broadcast(sampling, B)
     rs_t, rs_d = jax.tree.map(tput, rs_host), jax.tree.map(dput, rs_host)
-    key_t, key_d = seed_key(sampling.seed, tput), seed_key(sampling.seed, dput)
-    kverify, kdraft = jax.random.fold_in(key_t, 2), jax.random.fold_in(key_d, 1)
+    key_t = seed_key(sampling.seed, tput)
+    kverify, kdraft = seed_key(sampling.seed, tput, fold=2), seed_key(sampling.seed, dput, fold=1)
 
     tcache = cache_for(target, B, max_len)
     dcache = llama.init_cache(draft.cfg, B, max_len + M * K)
