@@ -308,6 +308,20 @@ def draft_variants(model, spec, draft) -> list[tuple[str | None, int | None]]:
     return [(d, v) for d in dtypes for v in vocabs]
 
 
+def _forget_others(draft, variants, chosen) -> None:
+    """Free the variants measured but not chosen (a 0.5B draft's copies cost GBs of host memory)."""
+    from ssd_jax.loading.loaded import forget_derived, with_weight_dtype
+
+    for dt, dv in variants:
+        if (dt, dv) == chosen:
+            continue
+        base = with_weight_dtype(draft, dt) if dt is not None else draft
+        if dv is not None:
+            forget_derived(base, f"vocab:{dv}")
+        if dt is not None and dt != chosen[0]:
+            forget_derived(draft, f"dtype:{dt}")
+
+
 def choose_draft_variant(model, spec, batch: int, load, target: dict | None = None):
     """Resolve ``draft_dtype="auto"`` / ``draft_vocab="auto"`` (the defaults) for this target, draft,
     batch size and machine: the variant (:func:`draft_variants`) whose calibrated expected speedup
@@ -360,6 +374,7 @@ def choose_draft_variant(model, spec, batch: int, load, target: dict | None = No
         if multi_process():  # each process measured its own: all take process 0's choice
             best = rows[agree(rows.index(best))]
         dt, dv = best["draft_dtype"], best["draft_vocab"]
+        _forget_others(draft, variants, (dt, dv))
         spent = time.perf_counter() - t0 if measured else 0.0
         info = {"chosen": {"draft_dtype": dt, "draft_vocab": dv}, "variants": rows, "calibration_s": spent}
     return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), info, spent

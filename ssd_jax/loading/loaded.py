@@ -64,6 +64,11 @@ def derived(model: Any, tag: str, make: Callable[[], Any]) -> Any:
     return out
 
 
+def forget_derived(model: Any, tag: str) -> None:
+    """Drop what :func:`derived` keeps for ``model`` and ``tag`` (a variant measured, not chosen)."""
+    _DERIVED.pop((id(model), tag), None)
+
+
 def with_weight_dtype(model: LoadedModel, dtype: str) -> LoadedModel:
     """``model`` with its weight matrices stored in ``dtype`` while it still computes in
     ``cfg.dtype`` (``ModelConfig.weight_dtype``; ``--draft-dtype``). Norms, biases and the KV
