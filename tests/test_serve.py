@@ -195,7 +195,11 @@ def test_openai_client_matches_offline(servers, offline):
     assert [x.id for x in c.models.list().data] == [NAME]
 
 
-@pytest.mark.parametrize("method", ["sd", "ssd", pytest.param("ngram", marks=pytest.mark.slow)])
+# ssd is slow (46 s): the default set serves SSD in test_32_concurrent_requests
+@pytest.mark.parametrize(
+    "method",
+    ["sd", pytest.param("ssd", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow)],
+)
 def test_sd_servers_match_offline_and_count(servers, offline, method):
     """SD (draft model / n-gram) and SSD greedy outputs equal offline AR, streamed or not; spec counters add
     up, SSD's cache lookups too (one per running row per round that goes on)."""
