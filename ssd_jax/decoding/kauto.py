@@ -26,7 +26,7 @@ from one calibration (:func:`calibrate`) made at the run's batch size B:
 
 The measurement is stored as JSON under ``$SSD_JAX_KAUTO_CACHE`` (default
 ``<cache root>/kauto``; the cache root is ``$SSD_JAX_CACHE`` or ``~/.cache/ssd_jax``), one file
-per (device kind, jax version, target, draft, batch size; on CPU also the kernels' build), written atomically (temporary file,
+per (device kind, jax version, target, draft, batch size; on CPU also the kernels' build and the number of cores the process may use), written atomically (temporary file,
 then rename). The target and a draft model are identified by a hash of their config and of a
 slice of their weights. K is recomputed from the stored α and costs, so the same cache gives the
 same K (and a seeded run the same tokens). Delete the file (or the folder), or set
@@ -119,8 +119,9 @@ def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
         "draft": desc,
         "batch": batch,
     }
-    if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code
+    if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code and the cores allowed
         fields["kernels"] = kernels.build_id()
+        fields["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 
