@@ -77,7 +77,10 @@ def generate(
     # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
     # time counts as compile time
     spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load, target_cal)
-    if k_auto is not None and multi_process():  # each process measured its own: all use process 0's K, fixed
+    spans = spec.target_devices is not None or spec.draft_devices is not None  # meshes of several processes
+    if (
+        k_auto is not None and multi_process() and spans
+    ):  # each process measured its own: all use process 0's K, fixed
         budget = spec.fan_out_budget  # SSD's round plan chooses it with K
         spec = dataclasses.replace(
             spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
@@ -126,7 +129,7 @@ def _record_cpus(res: GenerationResult, spec: SpecConfig) -> GenerationResult:
     m = res.metrics
     m["cpus"] = cpus()
     if multi_process() and (spec.target_devices is not None or spec.draft_devices is not None):
-        from ssd_jax.parallel.distributed import gather_to_main
+        from ssd_jax.parallel.distributed import gather_to_main  # every process runs this generate
 
         per = gather_to_main(m["cpus"])
         if per is not None:

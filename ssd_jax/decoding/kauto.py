@@ -372,7 +372,7 @@ def choose_draft_variant(model, spec, batch: int, load, target: dict | None = No
                 }
             )
         best = max(rows, key=lambda r: r["expected_speedup"])
-        if multi_process():  # each process measured its own: all take process 0's choice
+        if multi_process() and _two_meshes(spec):  # a run across processes: all take process 0's choice
             best = rows[agree(rows.index(best))]
         dt, dv = best["draft_dtype"], best["draft_vocab"]
         _forget_others(draft, variants, (dt, dv))
