@@ -267,14 +267,16 @@ def run_protocol(
     progress: bool = True,
     local: set[str] | None = None,
     write: bool = True,
+    meet: frozenset[str] | set[str] = frozenset(),
 ) -> Path:
     """Run (or resume) the protocol: every runner on every unit, ``repeats`` times, interleaved.
 
     ``runners``: method name -> callable ``(prompts, new_tokens) -> run metrics`` (optionally
     with ``warm(units, new_tokens)``), one of them ``ar``. Appends to ``out_path`` (JSONL).
     Under ``jax.distributed`` every process walks the same schedule: ``local`` names the methods
-    this process takes part in (None: all; the others are skipped), and only the process with
-    ``write`` records rows."""
+    this process takes part in (None: all; the others are skipped), the processes meet before each
+    run of a method in ``meet`` (those that span processes), and only the process with ``write``
+    records rows."""
     if "ar" not in runners:
         raise UserError("the protocol needs an 'ar' runner: every ratio is against it")
     if repeats < 1 or not units:
@@ -325,6 +327,8 @@ def run_protocol(
         for name, run in runners.items():
             if local is not None and name not in local:
                 continue
+            if name in meet:
+                _meet(name)
             t = time.perf_counter()
             warm = getattr(run, "warm", None)
             shapes = warm(units, new_tokens) if warm else (run(units[0].prompts, new_tokens), 1)[1]
@@ -335,6 +339,8 @@ def run_protocol(
             bar.update(1)
             continue
         order_now = run_order(list(runners), pos, r, order, seed)
+        if name in meet:  # a run across processes: meet before it (process 0 ran others meanwhile)
+            _meet(name)
         before = os.getloadavg()[0]
         m = runners[name](u.prompts, new_tokens)
         row = {
@@ -360,6 +366,13 @@ def run_protocol(
         bar.set_postfix_str(f"{u.category}[{u.index}] r{r} {name} {row['decode_tok_s']:.2f} tok/s")
     bar.close()
     return path
+
+
+def _meet(name: str) -> None:
+    """Under the hardware-fair protocol, the processes meet before each run both take part in."""
+    from ssd_jax.parallel.distributed import wait_for_peers
+
+    wait_for_peers(f"protocol/{name}")
 
 
 def _bar(total: int, enabled: bool):
@@ -573,6 +586,7 @@ def suite(args) -> Path:
             env_extra=env_extra,
             local=local,
             write=write,
+            meet=set(fair.get("hardware_fair", {}).get("two_process_methods", [])),
         )
     if not write:
         return path

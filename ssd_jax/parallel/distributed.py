@@ -257,10 +257,27 @@ def finish() -> None:
         time.sleep(0.05)
 
 
+_BARRIERS = [0]
+
+
+def wait_for_peers(tag: str, timeout_s: float = 3600.0) -> None:
+    """Block until every process reaches this point (the coordination service's barrier, with a long
+    deadline). A gloo collective gives up when a peer is more than ~30 s late (its context's key
+    exchange), so processes that did unequal work before it (a calibration, the hardware-fair
+    protocol's AR and SD runs on process 0 alone) meet here first."""
+    if not multi_process():
+        return
+    from jax._src import distributed
+
+    _BARRIERS[0] += 1
+    distributed.global_state.client.wait_at_barrier(f"ssd_jax/{tag}/{_BARRIERS[0]}", int(timeout_s * 1000))
+
+
 def agree(value: int) -> int:
     """Process 0's integer, in every process (a decision each process made on its own, e.g. K)."""
     from jax.experimental import multihost_utils
 
+    wait_for_peers("agree")  # each process measured for as long as it took
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
