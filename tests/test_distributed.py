@@ -167,7 +167,7 @@ def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(
 
 @pytest.mark.parametrize(
     "no_kill",
-    [pytest.param(False, marks=pytest.mark.slow), True],
+    [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)],
     ids=["launcher-stops-the-rest", "survivor-notices"],
 )
 def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_path, tiny_llama_draft_path):
