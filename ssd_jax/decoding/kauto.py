@@ -180,19 +180,25 @@ def _ssd_plans(rec: dict, spec, batch: int) -> list[dict]:
     return round_plans(rec, batch, _two_meshes(spec), ks, budgets)
 
 
-def _score(rec: dict, spec, batch: int) -> tuple[int, int | None, float]:
-    """(K, SSD's fan-out budget or None, expected speedup over AR) of the best round for ``spec``'s
-    method: SD's K model (:func:`ssd_jax.analysis.kchoice.expected_speedups`), or SSD's round model."""
-    if spec.method == "ssd" and "t_draft_rows" in rec["costs"]:
-        from ssd_jax.decoding.ssd.plan import best_plan
+def _ssd_best(rec: dict, spec, batch: int) -> dict | None:
+    """SSD's best round plan for this record (:func:`.ssd.plan.best_plan`), or None for SD or a
+    record without the draft's step at several row counts."""
+    if spec.method != "ssd" or "t_draft_rows" not in rec["costs"]:
+        return None
+    from ssd_jax.decoding.ssd.plan import best_plan
 
-        plans = _ssd_plans(rec, spec, batch)
-        if plans:
-            b = best_plan(plans)
-            return b["k"], b["budget"], b["expected_speedup"]
+    plans = _ssd_plans(rec, spec, batch)
+    return best_plan(plans) if plans else None
+
+
+def _score(rec: dict, spec, batch: int) -> tuple[int, float]:
+    """(K, expected speedup over AR) of the best round for ``spec``'s method: SD's K model
+    (:func:`ssd_jax.analysis.kchoice.expected_speedups`), or SSD's round model."""
+    if (b := _ssd_best(rec, spec, batch)) is not None:
+        return b["k"], b["expected_speedup"]
     sp = _speedups(rec)
     k = best_k(sp) if spec.k == "auto" else int(spec.k)
-    return k, None, sp.get(k, max(sp.values()))
+    return k, sp.get(k, max(sp.values()))
 
 
 def _speedups(rec: dict) -> dict[int, float]:
@@ -226,16 +232,11 @@ def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = Non
     sp = _speedups(rec)
     k = best_k(sp)
     extra: dict = {}
-    if spec.method == "ssd" and "t_draft_rows" in c:  # SSD prices its own round: K and the fan-out budget
-        from ssd_jax.decoding.ssd.plan import best_plan
-
-        plans = _ssd_plans(rec, spec, batch)
-        if plans:
-            best = best_plan(plans)
-            k = best["k"]
-            if spec.fan_out == "geometric" and spec.fan_out_budget is None:
-                spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
-            extra = {"ssd_plan": best, "ssd_overlap_model": _two_meshes(spec)}
+    if (best := _ssd_best(rec, spec, batch)) is not None:  # SSD prices its own round: K and the budget
+        k = best["k"]
+        if spec.fan_out == "geometric" and spec.fan_out_budget is None:
+            spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
+        extra = {"ssd_plan": best, "ssd_overlap_model": _two_meshes(spec)}
     # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
     plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
     info = {
@@ -360,7 +361,7 @@ def choose_draft_variant(model, spec, batch: int, load, target: dict | None = No
                     continue
             rec, source, _ = _record(model, dataclasses.replace(spec, draft=v), v, batch, target)
             measured |= source == "measured"
-            k, _, s = _score(rec, spec, batch)
+            k, s = _score(rec, spec, batch)
             rows.append(
                 {
                     "draft_dtype": dt,
