@@ -23,6 +23,7 @@ peer vanished ends the same way (the CLI catches it).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import sys
@@ -171,11 +172,10 @@ class Bridge:
         devs = list(target_mesh.devices.flat) + list(draft_mesh.devices.flat)
         self.union = Mesh(np.asarray(devs), ("x",))
         self._stacked = NamedSharding(self.union, PartitionSpec("x"))
-        self._rep = NamedSharding(self.union, PartitionSpec())
         self._first = {"target": 0, "draft": target_mesh.devices.size}
         self._local = [d for d in devs if d.process_index == jax.process_index()]
         self._zeros: dict = {}
-        self._progs: dict = {}
+        self.compiles = 0  # collectives compiled by this bridge's moves (0 once a run is warm)
 
     def _zero(self, shape, dtype, dev):
         key = (shape, str(dtype), dev.id)
@@ -199,10 +199,11 @@ class Bridge:
         leaves, treedef = jax.tree.flatten(tree)
         stacked = [self._stack(x, src) for x in leaves]
         i = self._first[src]
-        prog = self._progs.get(i)
-        if prog is None:
-            prog = self._progs[i] = jax.jit(lambda xs: [x[i] for x in xs], out_shardings=self._rep)
-        out = prog(stacked)
+        sig = (self.union, i, tuple((x.shape, str(x.dtype)) for x in leaves))
+        if sig not in _SEEN_MOVES:  # the first call of this signature in this process compiles
+            _SEEN_MOVES.add(sig)
+            self.compiles += 1
+        out = _pick_program(self.union, i)(stacked)
         dst = NamedSharding(self.meshes[to], PartitionSpec())
         dst_ids = {d.id for d in self.meshes[to].devices.flat}
         moved = [
@@ -212,6 +213,20 @@ class Bridge:
             for x, y in zip(leaves, out)
         ]
         return jax.tree.unflatten(treedef, moved), jax.tree.unflatten(treedef, out)
+
+
+def _pick(xs, *, i: int):
+    return [x[i] for x in xs]
+
+
+_SEEN_MOVES: set = set()
+
+
+@functools.lru_cache(maxsize=16)
+def _pick_program(union: Mesh, i: int):
+    """The move's collective, one jitted program per (union mesh, source), shared by every run's
+    :class:`Bridge` so that a process compiles it once, not once per ``generate()``."""
+    return jax.jit(functools.partial(_pick, i=i), out_shardings=NamedSharding(union, PartitionSpec()))
 
 
 def gather_to_main(obj) -> list | None:
