@@ -5,7 +5,8 @@ cores at the same time? (SSD's premise: the draft has hardware of its own.)
 
 Starts the probe's own two children, pinned to core 0 (the target: a verify of K + 1 tokens at
 batch 1, in a loop) and core 1 (the draft, bfloat16 with a 32,768-token head: one step at the
-build's row count, in a loop), first each alone, then both at once, and prints one JSON object:
+build's row count, or with ``--draft-work build`` SSD's whole cache build, in a loop), first each
+alone, then both at once, and prints one JSON object:
 each side's median seconds alone and together, and the slowdown."""
 
 import argparse
@@ -31,6 +32,22 @@ else:
 score, _ = sd_steps(m.cfg, False)
 cache = cache_for(m, rows, 256).with_lengths(np.full(rows, 64, np.int32))
 cur, spec = put_on(m, np.zeros(rows, np.int32)), put_on(m, np.zeros((rows, toks - 1), np.int32))
+if role == "build":  # SSD's whole cache build: K = toks, M = rows branches, one row
+    import functools, jax
+    from ssd_jax.decoding.ssd import tree
+    K, M = toks, rows
+    opts = tree.Opts(k=K, budget=M, vocab=m.cfg.vocab_size, rand_vocab=m.cfg.vocab_size,
+                     needs_filter=False, greedy=True, c=1.0, tree_base=128, mesh=None)
+    cache = cache_for(m, 1, 256).with_lengths(np.full(1, 64, np.int32))
+    kb = put_on(m, (np.arange(M) % (K + 1))[None].astype(np.int32))
+    rb = put_on(m, (np.arange(M) // (K + 1))[None].astype(np.int32))
+    args = (put_on(m, np.zeros(1, np.int32)), put_on(m, np.ones((1, K), np.int32)),
+            put_on(m, np.full(1, K, np.int32)), kb, rb, put_on(m, np.ones((1, K), np.int32)), jax.random.key(0))
+    build = jax.jit(functools.partial(tree.build_tree, rs=None, cfg=m.cfg, opts=opts), donate_argnums=(1,))
+    def score(params, cache, cur, spec):
+        tr, cache = build(params, cache, *args)
+        return tr.tokens, cache
+    rows = 1
 for _ in range(2):
     lg, cache = score(m.params, cache, cur, spec)
     lg.block_until_ready()
@@ -75,9 +92,15 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="the verify scores K + 1 tokens")
     ap.add_argument("--rows", type=int, default=4, help="the draft step's rows (the build's M)")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument(
+        "--draft-work",
+        choices=("step", "build"),
+        default="step",
+        help="the draft side: one step at --rows rows, or SSD's cache build (K = --k, M = --rows)",
+    )
     a = ap.parse_args()
     t = ("target", a.target, 0, 1, a.k + 1)
-    d = ("draft", a.draft, 1, a.rows, 1)
+    d = ("draft", a.draft, 1, a.rows, 1) if a.draft_work == "step" else ("build", a.draft, 1, a.rows, a.k)
     res = {"load_1min": os.getloadavg()[0], "config": vars(a)}
     res["target_alone_s"] = run([t], a.seconds)[0]["median_s"]
     res["draft_alone_s"] = run([d], a.seconds)[0]["median_s"]
