@@ -18,7 +18,9 @@ import numpy as np
 
 
 def summarise(path: str) -> dict:
-    ev = sorted((e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    ev = sorted(
+        (e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"]
+    )
     by = {}
     for e in ev:
         by.setdefault(e["name"], []).append(e)
