@@ -34,34 +34,29 @@ CAL_CHATS = (
 P_LEN, N_GEN, REPS, TIMED_STEPS = 24, 32, 5, 8
 VERIFY_KS = (1, 4, 8)
 ALPHA_PRIOR = 0.6
+#: rows of the acceptance measurement: every calibration text once, whatever the batch
+N_CAL_ROWS = len(CAL_TEXTS) + len(CAL_CHATS)
 
 
 def _cal_ids(model, n_rows: int) -> np.ndarray:
     """(rows, P_LEN) fixed prompt ids: the built-in texts and chat requests (row b takes text
     b mod their number), or seeded ids without a tokenizer."""
     V, tok = model.cfg.vocab_size, model.tokenizer
-    n_texts = len(CAL_TEXTS) + len(CAL_CHATS)
     if tok is not None:
-        texts = list(CAL_TEXTS)
-        for q in CAL_CHATS:
-            templated = tok.chat_template is not None
-            text = tok.apply_chat_template([{"role": "user", "content": q}]) if templated else q
-            texts.append((text, templated))
+        chat = tok.chat_template is not None
+        texts = [(t, False) for t in CAL_TEXTS] + [
+            (tok.apply_chat_template([{"role": "user", "content": q}]) if chat else q, chat)
+            for q in CAL_CHATS
+        ]
         base = []
-        for t in texts:
-            text, chat = t if isinstance(t, tuple) else (t, False)
-            ids = [i for i in tok.encode(text, add_special_tokens=not chat) if 0 <= i < V]
-            base.append(ids[-P_LEN:] if chat else ids[:P_LEN])
+        for text, templated in texts:
+            ids = [i for i in tok.encode(text, add_special_tokens=not templated) if 0 <= i < V]
+            base.append(ids[-P_LEN:] if templated else ids[:P_LEN])
     else:
         rng = np.random.default_rng(0)
-        base = [rng.integers(2, V, P_LEN).tolist() for _ in range(n_texts)]
+        base = [rng.integers(2, V, P_LEN).tolist() for _ in range(N_CAL_ROWS)]
     base = [np.resize(np.asarray(b or [0], np.int32), P_LEN) for b in base]
     return np.stack([base[b % len(base)] for b in range(n_rows)])
-
-
-def _n_cal_rows() -> int:
-    """Rows of the acceptance measurement: every calibration text once, whatever the batch."""
-    return len(CAL_TEXTS) + len(CAL_CHATS)
 
 
 def _median_time(fn, reps: int = REPS) -> float:
@@ -126,7 +121,7 @@ def target_part(model, batch: int) -> dict:
     n_gen = max(0, min(N_GEN, model.cfg.max_position_embeddings - P_LEN - 2 * K_MAX - 2))
     max_len = P_LEN + n_gen + 2 * K_MAX + 2
     put = functools.partial(put_on, model)
-    R, B = _n_cal_rows(), batch
+    R, B = N_CAL_ROWS, batch
     seq = np.zeros((R, P_LEN + 1 + n_gen), np.int32)  # prompt, then the target's greedy continuation
     seq[:, :P_LEN] = _cal_ids(model, R)
     _step_through(model, seq, P_LEN - 1, max_len, generate=True)
@@ -193,8 +188,9 @@ def draft_part(spec, draft, target: dict, rand_vocab: int, row_counts=()) -> dic
             )
             acc, rej = acc + a, rej + r
     else:
-        # the draft teacher-forced on the target's tokens, one step per call (timed): its greedy proposal
-        # j of a round is right exactly when proposals 1..j are, so the leading matches are its rounds
+        # the draft teacher-forced on the target's tokens, one step per call: its greedy proposal j of
+        # a round is right exactly when proposals 1..j are, so the leading matches are its rounds;
+        # the step's cost is timed separately at the run's batch
         ranks = np.zeros((rows, seq.shape[1] - 1), np.int64)
         pred, _, _ = _step_through(draft, seq, P_LEN, max_len, generate=False, ranks=ranks)
         extra["ranks"], extra["rank_start"] = ranks.tolist(), P_LEN + 1
