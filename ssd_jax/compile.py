@@ -34,6 +34,9 @@ class Compiled:
         self.compile_s = 0.0
         self.compiles = 0
 
+    #: seconds spent compiling by every Compiled of this process (a run's compile time is its change)
+    total_s = 0.0
+
     def _key(self, args):
         leaves, tree = jax.tree_util.tree_flatten(args)
         return tree, tuple(_leaf_key(x) for x in leaves)
@@ -48,6 +51,7 @@ class Compiled:
         dt = time.perf_counter() - t
         self.compile_s += dt
         self.compiles += 1
+        Compiled.total_s += dt
         return dt
 
     def __call__(self, *args):

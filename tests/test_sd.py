@@ -263,6 +263,7 @@ def sampled_pairs(target, spec, sampling, prompt):
 
 def biased_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
     """The known bug: accept a proposal iff it equals the target argmax, then sample p (not the residual)."""
+    from ssd_jax.sampling.filters import categorical
     from ssd_jax.sampling.rejection import VerifyResult
 
     K = draft.shape[1]
@@ -271,7 +272,7 @@ def biased_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
     acc = jnp.cumprod(ok.astype(jnp.int32), 1).astype(bool)
     n = acc.sum(1).astype(jnp.int32)
     lp = filter_logprobs(logits, rs, needs_filter)
-    nxt = jax.random.categorical(key, jnp.take_along_axis(lp, n[:, None, None], 1)[:, 0]).astype(jnp.int32)
+    nxt = categorical(key, jnp.take_along_axis(lp, n[:, None, None], 1)[:, 0]).astype(jnp.int32)  # row keys too
     return VerifyResult(n, nxt, acc)
 
 

@@ -22,7 +22,7 @@ from test_sd import (
 
 from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax.decoding.ssd import fanout as fo
-from ssd_jax.decoding.ssd import loop as ssd_loop
+from ssd_jax.parallel import placement as ssd_loop  # build_method places through it
 from ssd_jax.decoding.ssd import rounds as ssd_rounds
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.sampling import saguaro

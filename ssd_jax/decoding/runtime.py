@@ -12,6 +12,7 @@ generation loop can never recompile behind the user's back.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -59,3 +60,24 @@ def ar_steps(cfg: ModelConfig, needs_filter: bool) -> tuple[Compiled, Compiled]:
         functools.partial(decode_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="decode"
     )
     return pre, dec
+
+
+# --- the engine's AR round: every slot, each row from its own key at its own step
+
+
+def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_filter):
+    """One AR step for every slot; returns (tokens (B,), cache, rows with the new ``cur`` and step)."""
+    from ssd_jax.decoding.slots import park
+
+    tok, cache = decode_step(
+        params, cache, rows.cur, rows.key_batch, rows.steps, rows.rs, cfg=cfg, needs_filter=needs_filter
+    )
+    return tok, park(cache, active_B), dataclasses.replace(rows, cur=tok, steps=rows.steps + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def ar_round_program(cfg: ModelConfig, needs_filter: bool, window: int | None) -> Compiled:
+    from ssd_jax.decoding.slots import windowed
+
+    fn = functools.partial(ar_slot_round, cfg=cfg, needs_filter=needs_filter)
+    return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name=f"ar_round_w{window}")

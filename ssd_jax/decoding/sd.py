@@ -26,26 +26,18 @@ back (:mod:`ssd_jax.decoding.sd_two_mesh`); same keys as :func:`sd_round`, so th
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.analysis.kchoice import OnlineK
 from ssd_jax.decoding import runtime
-from ssd_jax.decoding.batch import Batch, GenerationResult, seed_key
-from ssd_jax.decoding.stats import AcceptanceStats
-from ssd_jax.drafters import make_drafter
 from ssd_jax.drafters.model import draft_propose
-from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
-from ssd_jax.parallel.placement import cache_for as _cache_for
-from ssd_jax.parallel.placement import put_on as _put
-from ssd_jax.sampling.filters import RowSampling, fold_in
+from ssd_jax.sampling.filters import fold_in
 from ssd_jax.sampling.rejection import emitted_tokens, verify, verify_greedy
 
 
@@ -82,26 +74,6 @@ def accept_step(
     new_len = lengths_B + 1 + n
     # two output buffers: the target's and the draft's caches are donated separately
     return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
-
-
-def push_round(rows, live, emitted_h, n_acc_h, on_text, history=None) -> None:
-    """Hand a round's emitted tokens to the live rows (EOS / stop / length checks, streaming).
-
-    Row b emitted ``n_acc_h[b] + 1`` tokens; a row that stops mid-round drops the rest and
-    leaves ``live``. ``history`` (n-gram drafters) gets the tokens appended per row.
-    """
-    for b in np.flatnonzero(live):
-        r = rows[b]
-        new_toks = emitted_h[b, : n_acc_h[b] + 1]
-        if history is not None:
-            history[b] = np.concatenate([history[b], new_toks])
-        for t in new_toks.tolist():
-            new = r.push(t)
-            if new and on_text is not None:
-                on_text(b, new)
-            if r.done:
-                live[b] = False
-                break
 
 
 def sd_round(
@@ -185,20 +157,31 @@ def sd_round(
     return out, n_draft, tcache, dcache, cur, prev, jnp.any(n >= n_draft), step + 1
 
 
-@functools.lru_cache(maxsize=64)
-def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False):
+def sd_slot_round(
+    tparams, tcache, dparams, dcache, rows, catch_up, active_B, host_tokens_BxK, host_n_B, **kw
+):
+    """:func:`sd_round` over the engine's slots: each row from its own key at its own step, free slots
+    parked. Returns (emitted (B, K+2), tcache, dcache, rows (new cur, prev, step), catch-up flag)."""
+    from ssd_jax.decoding.slots import park
+
+    out, n_draft, tcache, dcache, cur, prev, _, _ = sd_round(
+        tparams, tcache, dparams, dcache, rows.cur, rows.prev, catch_up, rows.steps, rows.key_batch, rows.rs,
+        host_tokens_BxK, host_n_B, **kw,
+    )  # fmt: skip
+    catch = jnp.any((out[:, -1] >= n_draft) & active_B)  # a live row accepted all: the draft catches up
+    rows = dataclasses.replace(rows, cur=cur, prev=prev, steps=rows.steps + 1)
+    return out, park(tcache, active_B), park(dcache, active_B), rows, catch
+
+
+@functools.lru_cache(maxsize=128)
+def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False, window=None):
+    from ssd_jax.decoding.slots import windowed
+
     fn = functools.partial(
-        sd_round,
-        cfg=cfg,
-        dcfg=dcfg,
-        k=k,
-        vocab=vocab,
-        rand_vocab=rand_vocab,
-        needs_filter=needs_filter,
-        kind=kind,
-        greedy=greedy,
-    )
-    return runtime.Compiled(fn, donate_argnums=(1, 3), name="sd_round")
+        sd_slot_round, cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab,
+        needs_filter=needs_filter, kind=kind, greedy=greedy,
+    )  # fmt: skip
+    return runtime.Compiled(windowed(fn, window), donate_argnums=(1, 3), name="sd_round")
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,264 +189,3 @@ def sd_steps(cfg, needs_filter: bool):
     score = runtime.Compiled(functools.partial(target_score, cfg=cfg), donate_argnums=(1,), name="verify")
     acc = runtime.Compiled(functools.partial(accept_step, needs_filter=needs_filter), name="sample")
     return score, acc
-
-
-def generate_sd(model, prompts, ids, sampling, spec, on_text, load) -> GenerationResult:
-    from ssd_jax.drafters.model import ModelDrafter
-
-    drafter = make_drafter(spec, model, sampling, load)  # two meshes: decoding.sd_two_mesh
-    # the draft's context window must hold the batch too
-    batch = Batch.build(
-        model,
-        prompts,
-        ids,
-        sampling,
-        spec,
-        also_fits=(drafter.model,) if isinstance(drafter, ModelDrafter) else (),
-    )
-    rows, B, K, tokens, n_valid, max_len = (
-        batch.rows,
-        batch.size,
-        spec.k,
-        batch.tokens,
-        batch.n_valid,
-        batch.max_len,
-    )
-    put = functools.partial(_put, model)
-    rs = jax.tree.map(put, RowSampling.broadcast(sampling, B))
-    key = seed_key(sampling.seed, put)
-    kdraft, kverify = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
-    prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
-    score, acc = sd_steps(model.cfg, sampling.needs_filter)
-
-    # --- compile everything up front (timed), then prefill target and draft
-    cache = _cache_for(model, B, max_len)
-    tokens_d, n_valid_d = put(tokens), put(n_valid)
-    compile_s = prefill.precompile(model.params, cache, tokens_d, n_valid_d, key, rs)
-    compile_s += drafter.start(tokens, n_valid, max_len, put)
-    if spec.profile_stages:
-        zB = put(np.zeros((B,), np.int32))
-        compile_s += drafter.precompile(zB, zB, kdraft, rs)
-        zK = put(np.zeros((B, K), np.int32))
-        compile_s += score.precompile(model.params, cache, zB, zK)
-        V = model.cfg.vocab_size
-        q_spec = None if drafter.kind != "model" else put(np.zeros((B, K, V), np.float32))
-        step0 = put(np.int32(0))
-        logit_spec = put(np.zeros((B, K + 1, V), np.float32))
-        compile_s += acc.precompile(kverify, step0, logit_spec, zK, zB, q_spec, rs, zB, zB)
-        if getattr(drafter, "needs_history", False):  # host-drafted rounds with no proposal (host_width)
-            z0 = put(np.zeros((B, 0), np.int32))
-            compile_s += score.precompile(model.params, cache, zB, z0)
-            compile_s += acc.precompile(
-                kverify, step0, put(np.zeros((B, 1, V), np.float32)), z0, zB, None, rs, zB, zB
-            )
-
-    if not spec.profile_stages:
-        return _generate_fused(
-            model,
-            batch,
-            drafter,
-            sampling,
-            spec,
-            cache,
-            tokens_d,
-            n_valid_d,
-            key,
-            rs,
-            on_text,
-            compile_s,
-            put,
-        )
-
-    t0 = time.perf_counter()
-    cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
-    drafter.prefill()  # queued behind the target's prefill; both count towards ttft
-    prev = put(batch.last_prompt_tokens())
-    first = np.asarray(cur)
-    jax.block_until_ready(getattr(drafter, "cache", None))  # else the first round's draft time absorbs it
-    ttft = time.perf_counter() - t0
-    batch.push_first(first, on_text)
-    history = batch.histories(first) if getattr(drafter, "needs_history", False) else None
-
-    t_draft = t_verify = t_sample = 0.0
-    empty = 0  # host-drafted rounds with no proposal in any live row (one target step each)
-    stats = AcceptanceStats(B, K)
-    live = np.array([not r.done for r in rows])
-    step = 0
-    while live.any():
-        step += 1
-        a = time.perf_counter()
-        prop = drafter.propose(prev, cur, jax.random.fold_in(kdraft, step), rs, history)
-        jax.block_until_ready(prop.tokens)
-        toks = prop.tokens
-        if history is not None and host_width(np.asarray(prop.n_draft), live, K) == 0:
-            toks, empty = put(np.zeros((B, 0), np.int32)), empty + 1
-        b_ = time.perf_counter()
-        logits, cache = score(model.params, cache, cur, toks)
-        logits.block_until_ready()
-        c = time.perf_counter()
-        emitted, n_acc, lengths, draft_lengths, prev, cur = acc(
-            kverify, put(np.int32(step)), logits, toks, prop.n_draft, prop.q, rs, cache.lengths, cur
-        )
-        emitted_h, n_acc_h, n_draft_h = np.asarray(emitted), np.asarray(n_acc), np.asarray(prop.n_draft)
-        d = time.perf_counter()
-        t_draft, t_verify, t_sample = t_draft + (b_ - a), t_verify + (c - b_), t_sample + (d - c)
-        cache = cache.with_lengths(lengths)
-        # only live rows matter: a stopped row's draft cache may go stale, its output is final
-        drafter.commit(draft_lengths, all_accepted=bool((n_acc_h >= n_draft_h)[live].any()))
-
-        stats.update(live, n_acc_h, n_draft_h)
-        push_round(rows, live, emitted_h, n_acc_h, on_text, history)
-    wall = time.perf_counter() - t0
-
-    stages = {
-        "draft_s": t_draft,
-        "verify_s": t_verify,
-        "sample_s": t_sample,
-        "overhead_s": max(0.0, wall - ttft - t_draft - t_verify - t_sample),
-        "rounds_without_proposals": empty,
-    }
-    return sd_result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)
-
-
-def sd_result(batch, stats, drafter, K, rounds, wall, ttft, compile_s, extra) -> GenerationResult:
-    """Outputs and metrics of an SD run (both loops)."""
-    metrics = {
-        **batch.speed_metrics(wall, ttft, compile_s),
-        "k": K,
-        "draft": drafter.kind if drafter.kind != "model" else drafter.model.name,
-        "verify_steps": rounds,
-        **stats.metrics(),
-        **extra,
-        "prefill_s": ttft,
-    }
-    return GenerationResult(batch.outputs(stats.row_metrics), metrics, method="sd")
-
-
-def _generate_fused(
-    model, batch, drafter, sampling, spec, cache, tokens_d, n_valid_d, key, rs, on_text, compile_s, put
-) -> GenerationResult:
-    """The default SD loop: one compiled call per round (:func:`sd_round`). For on-device drafters
-    round T+1 is queued before round T's tokens are read, so the host's EOS / stop checks and
-    bookkeeping overlap the device's next round; the n-gram drafter needs round T's tokens for
-    its lookup, so its rounds alternate with the host."""
-    rows, B, K = batch.rows, batch.size, spec.k
-    prefill, _ = runtime.ar_steps(model.cfg, sampling.needs_filter)
-    kind = {"model": "model", "random": "random"}.get(drafter.kind, "host")
-    dparams = drafter.model.params if kind == "model" else None
-    dcfg = drafter.model.cfg if kind == "model" else None
-    rand_vocab = getattr(drafter, "vocab", model.cfg.vocab_size)
-    greedy = sampling.temperature == 0  # the whole batch: the argmax-only round (same tokens, less work)
-    # K adaptive (spec.k_plan, from k="auto"): one program per candidate K, all compiled now
-    plan = spec.k_plan if kind != "random" else None
-    sched = OnlineK(plan, K) if plan is not None else None
-    widths = sorted({K, *(plan.ks if plan is not None else ())} | ({0} if kind == "host" else set()))
-    zB, step1, false = put(np.zeros((B,), np.int32)), put(np.int32(1)), put(np.bool_(False))
-    zK = {w: put(np.zeros((B, w), np.int32)) for w in widths}
-    progs = {}
-    for w in widths:  # host drafts: rounds where no row has a proposal run the 0-column program
-        progs[w] = sd_round_program(
-            model.cfg, dcfg, w, model.cfg.vocab_size, rand_vocab, sampling.needs_filter, kind, greedy
-        )
-        compile_s += progs[w].precompile(
-            model.params,
-            cache,
-            dparams,
-            drafter.cache if kind == "model" else None,
-            zB,
-            zB,
-            false,
-            step1,
-            key,
-            rs,
-            zK[w],
-            zB,
-        )
-
-    empty = [0]
-
-    def host_round(tc, dc, cur_, prev_, catch_, step_, toks, n_h, k):
-        w = host_width(n_h, live, k)
-        empty[0] += w == 0
-        return progs[w](
-            model.params, tc, dparams, dc, cur_, prev_, catch_, step_, key, rs, put(toks[:, :w]), put(n_h)
-        )
-
-    t0 = time.perf_counter()
-    cur, cache = prefill(model.params, cache, tokens_d, n_valid_d, key, rs)
-    drafter.prefill()  # queued behind the target's prefill; both count towards ttft
-    dcache = drafter.cache if kind == "model" else None
-    prev = put(batch.last_prompt_tokens())
-    first = np.asarray(cur)
-    jax.block_until_ready(
-        dcache
-    )  # the draft's prefill ends before decode time starts (else round 1 absorbs it)
-    ttft = time.perf_counter() - t0
-    batch.push_first(first, on_text)
-    history = batch.histories(first) if kind == "host" else None
-
-    def host_proposals(k):
-        return ngram_proposals(history, k, drafter.n_min, drafter.n_max, rows=np.flatnonzero(live))
-
-    def next_k():
-        return sched.k if sched is not None else K
-
-    stats = AcceptanceStats(B, max(widths))
-    live = np.array([not r.done for r in rows])
-    max_rounds = sampling.max_new_tokens  # every live row emits at least one token per round
-    state = (cache, dcache, cur, prev, false, step1)
-    ks = collections.deque([next_k()])  # the K of each round dispatched and not read yet
-    if kind == "host":
-        toks, n_draft_h = host_proposals(ks[0])
-        out = host_round(*state, toks, n_draft_h, ks[0])
-    else:
-        out = progs[ks[0]](model.params, state[0], dparams, state[1], *state[2:], key, rs, zK[ks[0]], zB)
-    dispatched = 1
-    step = 0
-    nxt = None
-    while live.any():
-        step += 1
-        emitted_d, _, tcache, dcache_o, cur_o, prev_o, catch_o, step_o = out
-        if kind != "host" and dispatched < max_rounds:  # queue round T+1 before reading round T (its K
-            k1 = next_k()  # then comes from rounds up to T-1)
-            nxt = progs[k1](
-                model.params, tcache, dparams, dcache_o, cur_o, prev_o, catch_o, step_o, key, rs, zK[k1], zB
-            )
-            ks.append(k1)
-            dispatched += 1
-        else:
-            nxt = None
-        host = np.asarray(emitted_d)  # the round's one read: tokens and accepted counts
-        emitted_h, n_acc_h = host[:, :-1], host[:, -1]
-        k_read = ks.popleft()
-        if kind != "host":
-            n_draft_h = np.full(B, k_read, np.int32)
-        stats.update(live, n_acc_h, n_draft_h)
-        if sched is not None:
-            sched.update(k_read, live, n_acc_h, n_draft_h)
-        push_round(rows, live, emitted_h, n_acc_h, on_text, history)
-        if not live.any():
-            break
-        if kind == "host":
-            ks.append(next_k())
-            toks, n_draft_h = host_proposals(ks[-1])
-            nxt = host_round(tcache, dcache_o, cur_o, prev_o, catch_o, step_o, toks, n_draft_h, ks[-1])
-        if nxt is None:
-            break
-        out = nxt
-    wall = time.perf_counter() - t0
-    if nxt is not None:
-        jax.block_until_ready(nxt[0])  # don't leave a round running into the next call's timing
-
-    # one call per round: stage times need profile_stages=True (--profile-stages)
-    stages = {
-        "draft_s": None,
-        "verify_s": None,
-        "sample_s": None,
-        "overhead_s": None,
-        "round_s": wall - ttft,
-        "calls_per_round": 1,
-        "rounds_without_proposals": empty[0],
-        **(sched.metrics() if sched else {}),
-    }
-    return sd_result(batch, stats, drafter, K, step, wall, ttft, compile_s, stages)

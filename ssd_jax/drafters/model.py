@@ -82,7 +82,7 @@ def draft_propose(
 
 
 @functools.lru_cache(maxsize=64)
-def _draft_steps(cfg, k, vocab, needs_filter):
+def draft_steps(cfg, k, vocab, needs_filter):
     pre = Compiled(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill")
     prop = {
         c: Compiled(
@@ -105,7 +105,7 @@ class ModelDrafter:
     def __init__(self, model, k: int, target_vocab: int, needs_filter: bool):
         self.model = model
         self.k = k
-        self._pre, self._prop = _draft_steps(model.cfg, k, target_vocab, needs_filter)
+        self._pre, self._prop = draft_steps(model.cfg, k, target_vocab, needs_filter)
         self.cache: llama.KVCache | None = None
 
     @property

@@ -6,11 +6,15 @@ import jax
 import jax.numpy as jnp
 
 from ssd_jax.drafters.base import Proposal
+from ssd_jax.sampling.filters import is_key_batch
 
 
 def random_tokens(key, batch: int, k: int, vocab: int) -> jax.Array:
     """(batch, k) uniform token ids below ``vocab``: the one random proposer (SD's random drafter, and
-    SSD's random backup and first round)."""
+    SSD's random backup and first round). ``key``: one key, or a (batch,) batch of row keys (row b then
+    draws from its own key alone)."""
+    if is_key_batch(key):
+        return jax.vmap(lambda kb: jax.random.randint(kb, (k,), 0, vocab, jnp.int32))(key)
     return jax.random.randint(key, (batch, k), 0, vocab, jnp.int32)
 
 

@@ -69,7 +69,9 @@ def run(argv=None) -> int:
 
     from ssd_jax import load_model
     from ssd_jax.serve.app import build_app
-    from ssd_jax.serve.engine import Engine
+    from ssd_jax.engine.core import ALL_MODES, Engine
+    from ssd_jax.engine.methods import build_method
+    from ssd_jax.serve.engine import ServingEngine
     from ssd_jax.serve.metrics import Metrics
 
     model = load_model(args.target, dtype=args.dtype)
@@ -107,7 +109,9 @@ def run(argv=None) -> int:
             args.max_batch,
             load_model,
         )
-        spec = dataclasses.replace(spec, k=int(resolved.k))
+        spec = dataclasses.replace(
+            spec, k=int(resolved.k), k_plan=resolved.k_plan, fan_out_budget=resolved.fan_out_budget
+        )
         expected = info["expected_speedup_by_k"][str(spec.k)]
         k_note = f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
         if expected < 1.0:
@@ -118,22 +122,35 @@ def run(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+    from ssd_jax.parallel.distributed import multi_process
+
+    if multi_process():
+        raise UserError(
+            "the server runs in one process: serve SSD's draft on a device of its own with "
+            "--target-devices 1 --draft-devices 1 (one process, two devices)"
+        )
     k = 0 if spec.method == "ar" else int(spec.k)
     metrics = Metrics(k)
-    engine = Engine(
+    spec.validate()
+    method = build_method(
         model,
-        spec,
+        dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
+        ALL_MODES,
+        load_model,
+    )
+    core = Engine(
+        method,
         max_batch=args.max_batch,
         max_len=max_len,
         prefill_chunk=args.prefill_chunk,
-        max_waiting=args.max_waiting,
-        drafter_model=draft,
         metrics=metrics,
         context_buckets=args.context_buckets,
+        admit_together=False,
     )
-    compile_s = engine.compile_all()
+    engine = ServingEngine(core, max_waiting=args.max_waiting)
+    compile_s = core.compile_s
     name = args.served_model_name or str(args.target)
-    ssd = f" fan-out budget={engine.budget} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
+    ssd = f" fan-out budget={method.M} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
     print(
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")

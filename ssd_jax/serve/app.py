@@ -23,7 +23,7 @@ from sse_starlette.sse import EventSourceResponse
 from ssd_jax.decoding.batch import encode_prompts
 from ssd_jax.errors import UserError
 from ssd_jax.sampling.filters import SamplingParams
-from ssd_jax.serve.engine import Engine, EngineDead, QueueFull, Sequence, fresh_seed
+from ssd_jax.serve.engine import EngineDead, QueueFull, Sequence, ServingEngine, fresh_seed
 
 
 class _Common(BaseModel):
@@ -64,7 +64,7 @@ def error(
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def build_app(engine: Engine, served_name: str, metrics) -> FastAPI:
+def build_app(engine: ServingEngine, served_name: str, metrics) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,7 +24,7 @@ from ssd_jax.decoding.sd import accept_step, target_score
 from ssd_jax.decoding.ssd import tree
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
-from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.decoding.slots import gather_rows, park, scatter_rows, set_rows, windowed
 from ssd_jax.sampling.filters import fold_in
 
 META = 4  # per-row meta columns: hit, post_miss, n_draft, live (as the device saw it)
@@ -107,7 +108,7 @@ def advance_round(
     tree_,
     dcache,
     outcome,
-    n_valid_B,
+    limit_B,
     step,
     key,
     rs,
@@ -119,7 +120,6 @@ def advance_round(
     opts: Opts,
     ctl: Control,
     backup: str,
-    max_new: int,
 ):
     """Draft mesh: look the outcome up in the tree; fallbacks for the rows that missed.
 
@@ -129,7 +129,7 @@ def advance_round(
     """
     n_acc, bonus, new_len = outcome[:, 0], outcome[:, 1], outcome[:, 2]
     _, _, fan, host_live = ctl.unpack(ctrl)
-    live = host_live & (new_len - n_valid_B + 1 < max_new)
+    live = host_live & (new_len + 1 < limit_B)  # limit: prompt length + max new tokens
     sp, dcache = tree.advance(
         dparams,
         tree_,
@@ -160,7 +160,7 @@ def fused_round(
     cur_B,
     spec: Proposal,
     post_miss_B,
-    n_valid_B,
+    limit_B,
     step,
     kverify,
     kdraft,
@@ -172,7 +172,6 @@ def fused_round(
     opts: Opts,
     ctl: Control,
     backup: str,
-    max_new: int,
     needs_filter: bool,
 ):
     """Both models on one device: verify, build and advance in one call (same keys, same tokens).
@@ -192,7 +191,7 @@ def fused_round(
         tree_,
         dcache,
         outcome,
-        n_valid_B,
+        limit_B,
         step,
         kdraft,
         rs,
@@ -203,64 +202,95 @@ def fused_round(
         opts=opts,
         ctl=ctl,
         backup=backup,
-        max_new=max_new,
     )
     return jnp.concatenate([out, meta], axis=1), sp, pm, tcache, dcache, nxt, step + 1
 
 
-def first_round(dparams, dcache, cur_B, key, rs, ctrl, *, cfg, opts: Opts, ctl: Control, backup: str):
-    """The first speculation (no tree yet), with its post-miss flags."""
+def fused_slot_round(tparams, tcache, dparams, dcache, rows, sp, pm, active_B, ctrl, **kw):
+    """:func:`fused_round` over the engine's slots (row keys and steps, free slots parked).
+    Returns (host array (B, K+2+4), next speculation, post-miss flags, tcache, dcache, rows)."""
+    keys = rows.key_batch
+    out, sp, pm, tcache, dcache, nxt, _ = fused_round(
+        tparams, tcache, dparams, dcache, rows.cur, sp, pm, rows.limit, rows.steps, fold_in(keys, 2),
+        fold_in(keys, 1), rows.rs, ctrl, **kw,
+    )  # fmt: skip
+    rows = dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+    return out, sp, pm, park(tcache, active_B), park(dcache, active_B), rows
+
+
+def verify_slot(tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter):
+    """Target mesh: :func:`verify_round` over the slots. Returns (emitted, outcome, tcache, rows)."""
+    out, outcome, nxt, tcache, _ = verify_round(
+        tparams, tcache, rows.cur, spec, rows.steps, fold_in(rows.key_batch, 2), rows.rs, cfg=cfg,
+        needs_filter=needs_filter,
+    )  # fmt: skip
+    return out, outcome, park(tcache, active_B), dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+
+
+def sample_slot(logits, tcache, rows, spec: Proposal, active_B, *, needs_filter):
+    """The profiled path's second target call: rejection sampling after :func:`target_score`."""
+    out, outcome, nxt, new_len, _ = sample_round(
+        fold_in(rows.key_batch, 2), rows.steps, logits, spec, rows.rs, tcache.lengths, rows.cur,
+        needs_filter=needs_filter,
+    )  # fmt: skip
+    tcache = park(tcache.with_lengths(new_len), active_B)
+    return out, outcome, tcache, dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+
+
+def build_slot(dparams, dcache, rows, sp: Proposal, pm, ctrl, *, cfg, opts: Opts, ctl: Control):
+    """Draft mesh: :func:`build_round` over the slots (the rows' cur and step, their draft keys)."""
+    return build_round(
+        dparams, dcache, rows.cur, sp, pm, rows.steps, fold_in(rows.key_batch, 1), rows.rs, ctrl, cfg=cfg,
+        opts=opts, ctl=ctl,
+    )  # fmt: skip
+
+
+def advance_slot(dparams, tree_, dcache, outcome, rows, ctrl, host_tokens, host_n, active_B, **kw):
+    """Draft mesh: :func:`advance_round` over the slots. Returns (sp, post-miss, meta, dcache, rows)."""
+    sp, pm, meta, dcache, nxt, _ = advance_round(
+        dparams, tree_, dcache, outcome, rows.limit, rows.steps, fold_in(rows.key_batch, 1), rows.rs, ctrl,
+        host_tokens, host_n, **kw,
+    )  # fmt: skip
+    return sp, pm, meta, park(dcache, active_B), dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+
+
+def first_slot(dparams, dcache, rows, sp: Proposal, pm, slots_R, new, ctrl, *, cfg, opts, ctl, backup, whole):
+    """Admission on the draft mesh: the new rows' state (``new.cur`` = each row's first token) and their
+    first speculation (no tree yet: neural drafting or random point masses), written into the batch's."""
     _, _, fan, _ = ctl.unpack(ctrl)
-    sp, dcache = tree.first_spec(
-        dparams, dcache, cur_B, fold_in(key, 0), rs, fan, cfg=cfg, opts=opts, backup=backup
+    part = gather_rows(dcache, slots_R, dcache.lengths[slots_R], whole)
+    key = fold_in(fold_in(jax.random.wrap_key_data(new.keys), 1), 0)
+    first, part = tree.first_spec(
+        dparams, part, new.cur, key, new.rs, fan[slots_R], cfg=cfg, opts=opts, backup=backup
     )
-    return sp, jnp.full(cur_B.shape, backup == "random"), dcache
+    put = lambda x, y: x.at[slots_R].set(y.astype(x.dtype))  # noqa: E731
+    sp = Proposal(
+        put(sp.tokens, first.tokens), put(sp.n_draft, first.n_draft),
+        None if sp.q is None else put(sp.q, first.q), put(sp.hit, first.hit),
+    )  # fmt: skip
+    pm = pm.at[slots_R].set(backup == "random")
+    return sp, pm, scatter_rows(dcache, part, slots_R, whole), set_rows(rows, slots_R, new)
 
 
-@functools.lru_cache(maxsize=32)
-def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, needs_filter: bool, max_new: int):
-    """Every compiled program of an SSD run, by name."""
-    p = functools.partial
-    adv = {
-        f"advance_{b}": Compiled(
-            p(advance_round, cfg=dcfg, opts=opts, ctl=ctl, backup=b, max_new=max_new),
-            donate_argnums=(2,),
-            name=f"advance_{b}",
-        )
-        for b in ("neural", "random", "host")
-    }
-    fused = {
-        f"round_{b}": Compiled(
-            p(
-                fused_round,
-                cfg=tcfg,
-                dcfg=dcfg,
-                opts=opts,
-                ctl=ctl,
-                backup=b,
-                max_new=max_new,
-                needs_filter=needs_filter,
-            ),
-            donate_argnums=(1, 3),
-            name=f"ssd_round_{b}",
-        )
-        for b in ("neural", "random")
-    }
-    first = {
-        f"first_{b}": Compiled(
-            p(first_round, cfg=dcfg, opts=opts, ctl=ctl, backup=b), donate_argnums=(1,), name=f"first_{b}"
-        )
-        for b in ("neural", "random")
-    }
-    return {
-        "draft_prefill": Compiled(p(draft_prefill, cfg=dcfg), donate_argnums=(1,), name="draft_prefill"),
-        "verify": Compiled(
-            p(verify_round, cfg=tcfg, needs_filter=needs_filter), donate_argnums=(1,), name="verify"
-        ),
-        "score": Compiled(p(target_score, cfg=tcfg), donate_argnums=(1,), name="score"),
-        "sample": Compiled(p(sample_round, needs_filter=needs_filter), name="sample"),
-        "build": Compiled(p(build_round, cfg=dcfg, opts=opts, ctl=ctl), donate_argnums=(1,), name="build"),
-        **adv,
-        **fused,
-        **first,
-    }
+@functools.lru_cache(maxsize=64)
+def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None):
+    """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
+    cache only: the draft's tree region lies past the context)."""
+    p, nf = functools.partial, opts.needs_filter
+    C = Compiled
+    progs = {
+        "verify": C(windowed(p(verify_slot, cfg=tcfg, needs_filter=nf), window, (1,)), donate_argnums=(1,), name="verify"),
+        "score": C(windowed(p(target_score, cfg=tcfg), window, (1,)), donate_argnums=(1,), name="score"),
+        "sample": C(p(sample_slot, needs_filter=nf), name="sample"),
+        "build": C(p(build_slot, cfg=dcfg, opts=opts, ctl=ctl), donate_argnums=(1,), name="build"),
+    }  # fmt: skip
+    for b in ("neural", "random", "host"):
+        fn = p(advance_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b)
+        progs[f"advance_{b}"] = C(fn, donate_argnums=(2,), name=f"advance_{b}")
+    for b in ("neural", "random"):
+        fn = p(fused_slot_round, cfg=tcfg, dcfg=dcfg, opts=opts, ctl=ctl, backup=b, needs_filter=nf)
+        progs[f"round_{b}"] = C(windowed(fn, window, (1,)), donate_argnums=(1, 3), name=f"ssd_round_{b}")
+        for whole in (False, True):
+            fn = p(first_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b, whole=whole)
+            progs[f"first_{b}_{whole}"] = C(fn, donate_argnums=(1,), name=f"first_{b}")
+    return progs

@@ -1,14 +1,11 @@
-"""The generation engine: the host loop around the compiled device steps, and its metrics.
+"""``generate()``: the offline front of the one engine (:mod:`ssd_jax.engine.core`).
 
-``generate(model, prompts, sampling=..., spec=...)`` tokenizes (optionally through the
-chat template), batches all prompts (times ``n`` samples each) into one static-shape batch,
-prefills, then runs one compiled decode step per token until every row has stopped (EOS,
-a stop string, or ``max_new_tokens``).
-
-The host never waits for the step it just dispatched: step t+1 is queued on the device
-with step t's tokens still on the device, and only then are step t's tokens copied to the
-host for the EOS / stop-string checks and streaming. Rows that have stopped keep riding
-along in the static batch (their results are ignored), so nothing ever recompiles."""
+It validates, tokenizes, prepares the draft (weight dtype, trimmed head; K auto), builds the method
+(:mod:`ssd_jax.engine.methods`), submits every row (each prompt times ``n`` samples) at time 0 to an
+engine with one slot per row, and runs it until every row is done. Each row draws from its own key
+(``key(seed)``, the sample index folded in after the first), so a seeded row gives the same tokens
+whatever shares its batch, offline as in the server.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +13,16 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
-from ssd_jax.decoding.ar import generate_ar
-from ssd_jax.decoding.batch import GenerationResult, encode_prompts
+from ssd_jax.compile import Compiled
+from ssd_jax.decoding.batch import GenerationResult, encode_prompts, plan_batch, speed_metrics
 from ssd_jax.decoding.kauto import choose_draft_variant, resolve_k
-from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.decoding.spec import SpecConfig
-from ssd_jax.errors import UserError
 from ssd_jax.drafters.vocab import load_with_head
+from ssd_jax.engine.core import Engine, Mode
+from ssd_jax.engine.core import Sequence as Seq
+from ssd_jax.engine.methods import build_method
+from ssd_jax.errors import UserError
+from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.sampling.filters import SamplingParams
 
 
@@ -86,26 +86,20 @@ def generate(
             spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
         )
     spec.validate()
-    if spec.method == "ssd":
-        from ssd_jax.decoding.ssd.loop import generate_ssd
-
-        res = generate_ssd(model, list(prompts), ids, sampling, spec, on_text, load, trace_path=trace)
-    elif spec.method == "sd":
-        if spec.draft not in ("ngram", "random") and (
-            spec.target_devices is not None or spec.draft_devices is not None
-        ):  # a draft model on a mesh of its own
-            from ssd_jax.decoding.sd_two_mesh import generate_sd_two_meshes as generate_sd
-        else:
-            from ssd_jax.decoding.sd import generate_sd
-
-        res = generate_sd(model, list(prompts), ids, sampling, spec, on_text, load)
-    else:
-        return _record_cpus(generate_ar(model, list(prompts), ids, sampling, spec, on_text), spec)
-    if k_auto is not None:  # did the loop re-choose K every round (one-device SD), or keep it fixed
+    method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace)
+    rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
+    _, max_len = plan_batch(model, rows_ids, sampling, spec)
+    draft = getattr(method, "draft", None)
+    if draft is not None:
+        plan_batch(draft, rows_ids, sampling, spec)  # the draft's context window must hold the batch too
+    c0 = Compiled.total_s
+    engine = Engine(method, max_batch=len(rows_ids), max_len=max_len)
+    res = _run(engine, list(prompts), rows_ids, sampling, on_text)
+    res.metrics["compile_s"] += calib_s + variant_s + (Compiled.total_s - c0)
+    if k_auto is not None:  # did the engine re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
     res.metrics["draft_auto"] = draft_auto
-    res.metrics["compile_s"] += calib_s + variant_s
     if spec.draft_dtype is not None:
         res.metrics["draft_dtype"] = spec.draft_dtype
     if spec.draft_vocab is not None:
@@ -116,6 +110,54 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return _record_cpus(res, spec)
+
+
+def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -> GenerationResult:
+    """Submit every row at time 0, run the engine to the end, and collect outputs and metrics. Compile
+    time met on the way (first use of a shape) is reported in ``compile_s`` and not counted as decoding."""
+    import time
+
+    n = sampling.n
+    seqs = []
+    for i, ids in enumerate(rows_ids):
+        sink = None
+        if on_text is not None:
+            sink = functools.partial(lambda b, kind, x: on_text(b, x) if kind == "text" else None, i)
+        sp = dataclasses.replace(sampling, n=1)
+        seqs.append(Seq(ids, sp, sink, index=i % n, prompt=prompts[i // n]))
+    c0 = Compiled.total_s
+    engine.submit(seqs)
+    t0 = time.perf_counter()
+    engine.admit()  # the prefill: every row's first token
+    ttft = time.perf_counter() - t0 - (Compiled.total_s - c0)
+    engine.run()
+    compile_s = Compiled.total_s - c0
+    wall = time.perf_counter() - t0 - compile_s
+    rows = [s.row for s in seqs]
+    m = speed_metrics(rows, wall, ttft, 0.0, [len(r) for r in rows_ids])
+    method = engine.method
+    m.update(method.metrics(wall, ttft, engine.rounds))
+    if method.speculates:
+        m.update(
+            {
+                "verify_steps": engine.rounds,
+                **engine.stats.metrics(),
+                "round_s": wall - ttft,
+                "prefill_s": ttft,
+            }
+        )
+    else:
+        m["steps"] = engine.rounds + 1
+    outputs = []
+    for b, s in enumerate(seqs):
+        o = s.row.output()
+        if method.speculates:
+            o["metrics"] = {
+                **engine.stats.row_metrics(b),
+                **(method.row_metrics(b) if hasattr(method, "row_metrics") else {}),
+            }
+        outputs.append(o)
+    return GenerationResult(outputs, m, method=method.name)
 
 
 def _record_cpus(res: GenerationResult, spec: SpecConfig) -> GenerationResult:

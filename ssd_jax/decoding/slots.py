@@ -1,0 +1,149 @@
+"""Device functions over slots: the per-row state every method keeps on the device between rounds,
+prefilling prompt chunks into some rows of a batch's caches, and the attention windows.
+
+The engine (:mod:`ssd_jax.engine`) runs a fixed batch of slots. A sequence is admitted into a free
+slot by prefilling its prompt, chunk by chunk, into that slot's rows of the caches; its per-row
+values (the last token, the step counter, its own random key, its sampling parameters, its token
+limit) are written into :class:`Rows` by the same call, so the next round reads them from the
+device and nothing is uploaded per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax.compile import Compiled
+from ssd_jax.drafters.model import draft_prefill
+from ssd_jax.models import llama
+from ssd_jax.models.llama import KVCache
+from ssd_jax.sampling.filters import RowSampling, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Per-row round state on one mesh (every array has the batch as its first axis)."""
+
+    cur: jax.Array  # (B,) int32: the last emitted token, in no cache yet
+    prev: jax.Array  # (B,) int32: the token before it (the draft's catch-up input)
+    steps: jax.Array  # (B,) int32: rounds this row has run (folded into its key)
+    keys: jax.Array  # (B, 2) uint32: each row's own key data
+    limit: jax.Array  # (B,) int32: prompt length + max new tokens (rows past it are done by length)
+    rs: RowSampling
+
+    @staticmethod
+    def empty(batch: int) -> Rows:
+        """Host arrays for ``batch`` free slots (greedy, no filter)."""
+        z = np.zeros(batch, np.int32)
+        rs = RowSampling(np.zeros(batch, np.float32), z.copy(), np.ones(batch, np.float32))
+        return Rows(z.copy(), z.copy(), z + 1, np.zeros((batch, 2), np.uint32), z.copy(), rs)
+
+    @property
+    def key_batch(self) -> jax.Array:
+        return jax.random.wrap_key_data(self.keys)
+
+
+def set_rows(rows: Rows, slots_R, new: Rows) -> Rows:
+    """``rows`` with slots ``slots_R`` replaced by the R rows of ``new``."""
+    return jax.tree.map(lambda x, y: x.at[slots_R].set(y.astype(x.dtype)), rows, new)
+
+
+def gather_rows(cache: KVCache, slots_R, starts_R, whole: bool) -> KVCache:
+    """Rows ``slots_R`` of ``cache`` as a batch of R, their lengths set to ``starts_R``. ``whole``
+    (static): the slots are every row in order, so nothing is copied."""
+    if whole:
+        return cache.with_lengths(starts_R)
+    return KVCache([x[slots_R] for x in cache.k], [x[slots_R] for x in cache.v], starts_R, cache.window)
+
+
+def scatter_rows(cache: KVCache, rows: KVCache, slots_R, whole: bool) -> KVCache:
+    """``cache`` with rows ``slots_R`` (and their lengths) replaced by ``rows``."""
+    if whole:
+        return rows
+    return KVCache(
+        [x.at[slots_R].set(r) for x, r in zip(cache.k, rows.k)],
+        [x.at[slots_R].set(r) for x, r in zip(cache.v, rows.v)],
+        cache.lengths.at[slots_R].set(rows.lengths),
+        cache.window,
+    )
+
+
+def prefill_target(
+    params, cache: KVCache, rows: Rows, tokens_RxC, n_valid_R, slots_R, starts_R, new: Rows, *, cfg, whole
+):
+    """Prefill one chunk of R prompts into slots ``slots_R`` (at offsets ``starts_R``), sample each
+    row's next token from its own key at step 0, and write the rows' state (``new``, its ``cur`` the
+    sampled token). Only the last chunk's token is a prompt's first generated token; earlier chunks'
+    writes of ``cur`` are overwritten. A row with ``n_valid`` 0 (its prompt ended in an earlier chunk)
+    keeps its length. Returns (tokens (R,), cache, rows)."""
+    part = gather_rows(cache, slots_R, starts_R, whole)
+    h, part = llama.forward(params, cfg, tokens_RxC, part)
+    last = jnp.take_along_axis(h, jnp.maximum(n_valid_R - 1, 0)[:, None, None], axis=1)[:, 0]
+    lg = llama.logits(params, cfg, last)
+    tok = sample(jax.random.wrap_key_data(new.keys), lg, new.rs, True)
+    tok = jnp.where(n_valid_R > 0, tok, rows.cur[slots_R])  # a prompt that ended earlier keeps its token
+    cache = scatter_rows(cache, part.with_lengths(starts_R + n_valid_R), slots_R, whole)
+    new = dataclasses.replace(new, cur=tok, steps=jnp.ones_like(new.steps))
+    return tok, cache, set_rows(rows, slots_R, new)
+
+
+def prefill_draft(params, cache: KVCache, tokens_RxC, n_valid_R, slots_R, starts_R, *, cfg, whole):
+    """The draft's half of a prefill chunk: write the chunk into its cache rows (no sampling)."""
+    part = gather_rows(cache, slots_R, starts_R, whole)
+    part = draft_prefill(params, part, tokens_RxC, n_valid_R, cfg=cfg)
+    return scatter_rows(cache, part, slots_R, whole)
+
+
+def park(cache: KVCache | None, active_B) -> KVCache | None:
+    """Free slots keep length 0, so a slot never runs past its cache while it waits for a sequence."""
+    return None if cache is None else cache.with_lengths(jnp.where(active_B, cache.lengths, 0))
+
+
+def context_windows(max_len: int, buckets: int) -> tuple[int, ...]:
+    """The attention windows an engine compiles (``KVCache.window``): ``max_len`` halved ``buckets - 1``
+    times, each rounded up to a multiple of 16 and at least 32."""
+    if buckets < 1:
+        raise ValueError("buckets must be >= 1")
+    return tuple(
+        sorted({max_len} | {min(max_len, max(32, -(-(max_len >> i) // 16) * 16)) for i in range(buckets)})
+    )
+
+
+def windowed(fn, window: int | None, cache_args=(1, 3)):
+    """``fn`` with the KV caches among ``cache_args`` attending over their first ``window`` slots only, and
+    every cache it returns back to the full window (so the stored caches keep one pytree structure).
+    ``window`` None: ``fn`` itself."""
+    if window is None:
+        return fn
+
+    def run(*args):
+        args = [
+            a.with_window(window) if i in cache_args and isinstance(a, KVCache) else a
+            for i, a in enumerate(args)
+        ]
+        return jax.tree.map(
+            lambda o: o.with_window(None) if isinstance(o, KVCache) else o,
+            fn(*args),
+            is_leaf=lambda o: isinstance(o, KVCache),
+        )
+
+    return run
+
+
+@functools.lru_cache(maxsize=64)
+def target_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
+    fn = functools.partial(prefill_target, cfg=cfg, whole=whole)
+    return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="prefill")
+
+
+@functools.lru_cache(maxsize=64)
+def draft_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
+    fn = functools.partial(prefill_draft, cfg=cfg, whole=whole)
+    return Compiled(
+        windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="draft_prefill"
+    )

@@ -1,0 +1,131 @@
+"""SSD's host side: the fan-out layouts of a round (what the control vector carries), what crosses
+to the target of a speculation, the trace's lanes (one per process and device set under
+``jax.distributed``, merged on process 0) and the stage times of a profiled run. The round loop
+itself is the engine's (:mod:`ssd_jax.engine.methods.ssd`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ssd_jax.decoding.ssd import fanout as fo
+from ssd_jax.decoding.ssd.backup import row_schedule
+from ssd_jax.decoding.trace import Timeline, lane_for
+from ssd_jax.drafters.base import Proposal
+from ssd_jax.parallel import distributed as dist
+
+
+def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _measure(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _intersection(x, y) -> float:
+    """Total length of the intersection of two disjoint, sorted interval lists."""
+    i = j = 0
+    tot = 0.0
+    while i < len(x) and j < len(y):
+        tot += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def layout_table(est, K: int, M: int, uniform: bool):
+    """Fan-out schedules and branch layouts for every row state (see :class:`.rounds.Control`)."""
+    sched = np.stack(
+        [est.schedule(False)] + [row_schedule(est, True, n, K, M, uniform) for n in range(K + 1)]
+    )
+    sched = sched.astype(np.int64)
+    return (sched, *_branch_layouts(sched.tobytes(), sched.shape, M))
+
+
+@functools.lru_cache(maxsize=64)
+def _branch_layouts(sched_bytes: bytes, shape: tuple, M: int):
+    """Branch layouts of a schedule table, cached: the schedules change rarely between rounds."""
+    return fo.branch_layout(np.frombuffer(sched_bytes, np.int64).reshape(shape), M)
+
+
+def fanout_setup(spec, n_draft_devices: int = 1):
+    """(uniform?, branches per row M, the fan-out estimator) of a validated SSD spec with an integer K."""
+    K = spec.k
+    uniform = spec.fan_out != "geometric"
+    if uniform:
+        F = int(spec.fan_out)
+        M = F * (K + 1)
+    else:
+        # default: two branches per acceptance position, rounded up to fill every draft device
+        n_dd = n_draft_devices
+        M = spec.fan_out_budget if spec.fan_out_budget is not None else -(-2 * (K + 1) // n_dd) * n_dd
+    est = fo.FanoutEstimator(K, M, "uniform" if uniform else "geometric", uniform_F=F if uniform else None)
+    return uniform, M, est
+
+
+def spec_only(sp: Proposal) -> Proposal:
+    return Proposal(sp.tokens, sp.n_draft, sp.q)
+
+
+def spec_to_target(sp: Proposal, pl) -> Proposal:
+    """What the target needs of a speculation (tokens, counts, q), on the target mesh."""
+    if pl.single:
+        return spec_only(sp)
+    return pl.to_target(spec_only(sp))[0]
+
+
+def lane(devices) -> str:
+    """A trace lane per device set, named with its process(es) when there are several."""
+    lane = lane_for(devices)
+    if dist.multi_process():
+        procs = ",".join(str(p) for p in sorted({d.process_index for d in devices}))
+        lane = f"process {procs} {lane}"
+    return lane
+
+
+def merged_timeline(tl: Timeline, origin: float) -> Timeline | None:
+    """A timeline of every process's events (times from the common origin), on process 0; None elsewhere."""
+    mine = [
+        dict(e, start=e["start"] - origin, end=e["end"] - origin, dispatch=e["dispatch"] - origin)
+        for e in tl.events()
+    ]
+    every = dist.gather_to_main(mine)
+    if every is None:
+        return None
+    out = Timeline(enabled=True)
+    out.add_events([e for evs in every for e in evs])
+    return out
+
+
+def stage_metrics(tl, wall: float, ttft: float) -> dict:
+    """Stage times from the timeline (profiled runs: --profile-stages or --trace)."""
+    events = tl.events()
+    dur = {}
+    for e in events:
+        dur[e["name"]] = dur.get(e["name"], 0.0) + (e["end"] - e["start"])
+    # draft time the target waited for: draft work (build, advance, fallbacks) while the target
+    # lane was idle; in single-device mode that is all of it, with perfect overlap none of it
+    tgt = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] in ("verify", "sample")]
+    drf = [(e["start"], e["end"]) for e in events if e["round"] > 0 and e["name"] not in ("verify", "sample")]
+    exposed = _measure(_union(drf)) - _intersection(_union(drf), _union(tgt))
+    verify_s, sample_s = dur.get("verify", 0.0), dur.get("sample", 0.0)
+    draft_s = sum(v for k_, v in dur.items() if k_ in ("build", "advance") or k_.startswith("fallback"))
+    return {
+        "draft_s": draft_s,
+        "draft_exposed_s": exposed,
+        "verify_s": verify_s,
+        "sample_s": sample_s,
+        "overhead_s": max(0.0, wall - ttft - verify_s - sample_s - exposed),
+        "overlap_fraction": tl.overlap_fraction("verify", "build"),
+    }

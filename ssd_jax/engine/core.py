@@ -1,0 +1,334 @@
+"""The one engine: slots, the waiting queue and the round driver, for every method, offline and served.
+
+``generate()`` submits all its rows at time 0 and runs the engine until every row is done; the server
+submits requests as they arrive and runs the same :meth:`Engine.step` on its engine thread. One step:
+
+1. **admit** - waiting sequences take free slots; their prompts are prefilled into those slots' rows
+   in chunks (all rows admitted together share each chunk call), and each samples its first token;
+2. **dispatch** - the method queues one compiled round over every slot (free slots ride along,
+   their results ignored), and, where the method allows it, the next round is queued before this
+   one is read, so the device never waits for the host;
+3. **read** - the round's tokens come to the host once: each row gets its tokens (detokenising,
+   EOS / stop strings / length), streams text, and frees its slot when it ends.
+
+A method (:mod:`ssd_jax.engine.methods`) supplies its compiled programs and typed round state; the
+engine owns who runs where and when.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ssd_jax.decoding.batch import RowState, eos_ids, prompt_bucket
+from ssd_jax.decoding.slots import Rows
+from ssd_jax.decoding.stats import AcceptanceStats
+from ssd_jax.sampling.filters import SamplingParams
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One generated sequence (a prompt's sample; an API request with ``n`` samples makes ``n``)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams  # n = 1; this sequence's seed
+    sink: Callable[[str, object], None] | None = None  # ("text", new) and finally ("done", self)
+    index: int = 0  # the sample's index in its request: folded into its key after the first
+    prompt: Any = None  # what the caller passed (returned in the outputs)
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    row: RowState | None = None
+    slot: int | None = None
+    cancelled: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" (the engine failed)
+    drafted: int = 0
+    accepted: int = 0
+
+    def key_data(self) -> np.ndarray:
+        """The (2,) uint32 key of this sequence: ``key(seed)``, the sample index folded in after the first.
+        Its tokens depend on this key alone, whatever shares its batch."""
+        import jax
+
+        key = jax.random.key(self.sampling.seed)
+        if self.index:
+            key = jax.random.fold_in(key, self.index)
+        return np.asarray(jax.random.key_data(key), np.uint32)
+
+    @property
+    def context(self) -> int:
+        return len(self.prompt_ids) + (len(self.row.tokens) if self.row is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """How a round samples: every live row greedy (argmax-only programs), or some row filters."""
+
+    greedy: bool
+    needs_filter: bool
+
+    @staticmethod
+    def of(samplings) -> Mode:
+        sp = list(samplings)
+        greedy = all(s.temperature == 0 for s in sp)
+        return Mode(greedy, not greedy and any(s.needs_filter for s in sp))
+
+
+#: every mode a server may meet
+ALL_MODES = (Mode(True, False), Mode(False, False), Mode(False, True))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOut:
+    """What a round gives the host: per slot, the emitted tokens and how many, what was drafted."""
+
+    tokens: np.ndarray  # (B, W) int32
+    n_emit: np.ndarray  # (B,) tokens emitted (accepted + 1)
+    n_draft: np.ndarray  # (B,) proposals verified (0 for AR)
+    hit: np.ndarray | None = None  # (B,) SSD: the verified speculation came from the cache
+
+
+@dataclasses.dataclass
+class Pending:
+    """A dispatched round: the method's handle and the slots' sequences when it was queued."""
+
+    handle: Any
+    seqs: list[Sequence | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One prefill call for the rows admitted together."""
+
+    slots: np.ndarray  # (R,) int32
+    tokens: np.ndarray  # (R, C) int32
+    n_valid: np.ndarray  # (R,) int32 (0: the row's prompt ended in an earlier chunk)
+    starts: np.ndarray  # (R,) int32
+    whole: bool  # the slots are the whole batch, in order
+    window: int
+
+
+class Engine:
+    """``max_batch`` slots over one static batch; :meth:`step` admits, runs a round and streams.
+
+    ``prefill_chunk``: prompt tokens per prefill call (None: a whole prompt, padded to a power of two);
+    ``admit_together``: rows admitted in the same step share their prefill calls (offline: all rows at
+    time 0 in one call); ``context_buckets``: attention windows compiled (``slots.context_windows``)."""
+
+    def __init__(
+        self,
+        method,
+        *,
+        max_batch: int,
+        max_len: int,
+        prefill_chunk: int | None = None,
+        max_waiting: int | None = None,
+        metrics=None,
+        context_buckets: int = 1,
+        admit_together: bool = True,
+    ):
+        from ssd_jax.decoding.slots import context_windows
+
+        self.method, self.B, self.max_len = method, max_batch, max_len
+        self.model = method.model
+        self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
+        self.admit_together = admit_together
+        self.windows = context_windows(max_len, context_buckets)
+        self.extra_slots = method.extra_slots
+        self.eos = eos_ids(self.model)
+        self.slots: list[Sequence | None] = [None] * max_batch
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.pending: Pending | None = None
+        self.stats = AcceptanceStats(max_batch, method.k_max)
+        self.rounds = 0
+        self.compile_s = method.setup(self)
+
+    # --- the caller's side
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        from ssd_jax.errors import UserError
+
+        if n_prompt + max_tokens + self.extra_slots > self.max_len:
+            raise UserError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the engine's context of "
+                f"{self.max_len - self.extra_slots} tokens"
+            )
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.check_fits(len(s.prompt_ids), s.sampling.max_new_tokens)
+        self.waiting.extend(seqs)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or self.running > 0 or self.pending is not None
+
+    def run(self) -> None:
+        """Step until every submitted sequence is done."""
+        while self.busy():
+            self.step()
+
+    # --- one step of the driver
+
+    def step(self) -> None:
+        self._drop_cancelled()
+        self.admit()
+        if self.pending is None:
+            if self.running == 0:
+                return
+            self.pending = self._dispatch(0)
+        rnd, self.pending = self.pending, None
+        if self._worth_queueing(1) and self.method.queues_ahead():
+            self.pending = self._dispatch(1)  # round T+1 queued before round T is read
+        live = np.array(
+            [s is not None and not s.row.done and self.slots[b] is s for b, s in enumerate(rnd.seqs)]
+        )
+        fresh = np.array([s is not None and s is not rnd.seqs[b] for b, s in enumerate(self.slots)])
+        out = self.method.read(rnd.handle, live, fresh)  # fresh: admitted after this round was queued
+        self._push_round(rnd, out, live)
+        if hasattr(self.method, "settle"):
+            self.method.settle(
+                np.array([s is not None and s is rnd.seqs[b] for b, s in enumerate(self.slots)])
+            )
+        if self.running == 0 and self.pending is not None and not self.waiting:
+            self.method.drain(self.pending.handle)  # a round past the end: nothing runs into the caller
+            self.pending = None
+
+    def _worth_queueing(self, in_flight: int) -> bool:
+        """Some running row may still need a token after the rounds in flight (each gives >= 1)."""
+        return any(
+            s is not None and not s.row.done and len(s.row.tokens) + in_flight < s.sampling.max_new_tokens
+            for s in self.slots
+        )
+
+    def _window(self, need: int) -> int:
+        return next((w for w in self.windows if w >= need), self.windows[-1])
+
+    def _dispatch(self, in_flight: int) -> Pending:
+        seqs = list(self.slots)
+        live = np.array([s is not None and not s.row.done for s in seqs])
+        need = max(s.context for s in seqs if s is not None) + (in_flight + 1) * self.extra_slots + 1
+        mode = Mode.of(seqs[b].sampling for b in np.flatnonzero(live))
+        return Pending(self.method.dispatch(live, self._window(need), mode), seqs)
+
+    def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
+        self.rounds += 1
+        if self.method.speculates:
+            self.stats.update(live, out.n_emit - 1, out.n_draft, hit=out.hit)
+            if self.metrics is not None:
+                self.metrics.spec_round(out.n_emit[live] - 1, out.n_draft[live])
+        for b in np.flatnonzero(live):
+            s = rnd.seqs[b]
+            s.drafted += int(out.n_draft[b])
+            s.accepted += int(out.n_emit[b] - 1)
+            self._push(b, out.tokens[b, : out.n_emit[b]])
+
+    def _push(self, b: int, toks) -> None:
+        s = self.slots[b]
+        for t in np.asarray(toks).tolist():
+            new = s.row.push(int(t))
+            if new and s.sink is not None:
+                s.sink("text", new)
+            if s.row.done:
+                self._free(b, {"eos": "stop"}.get(s.row.finish_reason, s.row.finish_reason))
+                return
+
+    def _free(self, b: int, reason: str) -> None:
+        s = self.slots[b]
+        self.slots[b] = None
+        self._finish(s, reason)
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.finish_reason = reason
+        s.finished_at = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.sequence_done(s)
+        if s.sink is not None:
+            s.sink("done", s)
+
+    def _drop_cancelled(self) -> None:
+        for b, s in enumerate(self.slots):
+            if s is not None and s.cancelled:
+                self._free(b, "cancelled")
+
+    def fail_all(self, reason: str = "error") -> None:
+        """Every sequence in a slot or waiting ends with ``reason`` (the engine failed)."""
+        pending = [s for s in self.slots if s is not None] + list(self.waiting)
+        self.slots, self.waiting, self.pending = [None] * self.B, collections.deque(), None
+        for s in pending:
+            self._finish(s, reason)
+
+    # --- admission
+
+    def admit(self) -> None:
+        """Waiting sequences into free slots (their prompts prefilled, first tokens pushed)."""
+        free = [b for b, s in enumerate(self.slots) if s is None]
+        group: list[tuple[int, Sequence]] = []
+        while self.waiting and free:  # the waiting deque may grow from another thread meanwhile
+            s = self.waiting.popleft()
+            if s.cancelled:
+                self._finish(s, "cancelled")
+                continue
+            group.append((free.pop(0), s))
+            if not self.admit_together:
+                self._admit_group(group)
+                group = []
+        if group:
+            self._admit_group(group)
+
+    def _admit_group(self, group: list[tuple[int, Sequence]]) -> None:
+        slots = np.array([b for b, _ in group], np.int32)
+        seqs = [s for _, s in group]
+        new = self._new_rows(seqs)
+        first = self.method.admit(self.chunks(slots, [s.prompt_ids for s in seqs]), new)
+        now = time.perf_counter()
+        for (b, s), tok in zip(group, first.tolist()):
+            self.slots[b] = s
+            s.slot = b
+            s.row = RowState(s.prompt, s.prompt_ids, self.model, s.sampling, self.eos)
+            s.first_token_at = now
+            self._push(b, [tok])
+
+    def _new_rows(self, seqs: list[Sequence]) -> Rows:
+        """The admitted rows' state on the host (``cur`` is filled in by the prefill)."""
+        from ssd_jax.sampling.filters import RowSampling
+
+        f32, i32 = np.float32, np.int32
+        return Rows(
+            cur=np.zeros(len(seqs), i32),
+            prev=np.array([s.prompt_ids[-1] for s in seqs], i32),
+            steps=np.ones(len(seqs), i32),
+            keys=np.stack([s.key_data() for s in seqs]),
+            limit=np.array([len(s.prompt_ids) + s.sampling.max_new_tokens for s in seqs], i32),
+            rs=RowSampling(
+                np.array([s.sampling.temperature for s in seqs], f32),
+                np.array([s.sampling.top_k for s in seqs], i32),
+                np.array([s.sampling.top_p for s in seqs], f32),
+            ),
+        )
+
+    def chunks(self, slots: np.ndarray, prompts: list[list[int]]) -> list[Chunk]:
+        """The prefill calls of rows admitted together: chunk j holds tokens [j*C, (j+1)*C) of each
+        prompt, its width the chunk size (or, for whole prompts, the longest padded to a power of two)."""
+        lens = np.array([len(p) for p in prompts], np.int32)
+        whole = len(slots) == self.B and bool((slots == np.arange(self.B)).all())
+        out, start = [], 0
+        while start < lens.max():
+            rest = int(lens.max()) - start
+            width = self.C if self.C is not None else prompt_bucket(rest)
+            tokens = np.zeros((len(slots), width), np.int32)
+            n_valid = np.clip(lens - start, 0, width).astype(np.int32)
+            for r, p in enumerate(prompts):
+                tokens[r, : n_valid[r]] = p[start : start + n_valid[r]]
+            starts = np.where(n_valid > 0, start, lens).astype(np.int32)
+            out.append(Chunk(slots, tokens, n_valid, starts, whole, self._window(start + width)))
+            start += width
+        return out

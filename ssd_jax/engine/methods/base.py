@@ -1,0 +1,101 @@
+"""What every method shares: the target's side of the slots (its cache, its per-row state, admission
+by chunked prefill), the sampling mode of a round, and the AR method itself."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from ssd_jax.compile import Compiled
+from ssd_jax.decoding import runtime
+from ssd_jax.decoding.slots import Rows, target_prefill_program
+from ssd_jax.engine.core import RoundOut
+from ssd_jax.parallel.placement import cache_for, put_on
+
+
+class Method:
+    """The target's side of every method. Subclasses add their draft side and round programs."""
+
+    speculates = False
+    k_max = 0
+    extra_slots = 0
+
+    def __init__(self, model, modes):
+        self.model, self.modes = model, tuple(modes)
+        self.put = functools.partial(put_on, model)
+        self._active_h: np.ndarray | None = None
+        self._active = None
+
+    def setup(self, engine) -> float:
+        """Allocate the caches and state for ``engine.B`` slots; compile the round programs. Returns the
+        seconds spent compiling."""
+        t0 = Compiled.total_s
+        self.B, self.max_len = engine.B, engine.max_len
+        self.tcache = cache_for(self.model, self.B, self.max_len)
+        self.rows = jax.tree.map(self.put, Rows.empty(self.B))
+        self.setup_draft(engine)
+        self.compile_rounds(engine.windows)
+        return Compiled.total_s - t0
+
+    def setup_draft(self, engine) -> None:
+        pass
+
+    def window(self, w: int) -> int | None:
+        """A round's attention window; None when it is the whole cache (no windowing)."""
+        return None if w >= self.max_len else w
+
+    def active(self, live: np.ndarray):
+        """The live mask on the device, uploaded only when it changes."""
+        if self._active_h is None or not np.array_equal(live, self._active_h):
+            self._active_h, self._active = live.copy(), self.put(live)
+        return self._active
+
+    def admit_target(self, chunks, new: Rows):
+        """Prefill the chunks into the target's rows and write the rows' state; returns the first tokens
+        (R,) on the target's mesh."""
+        new_d = jax.tree.map(self.put, new)
+        tok = None
+        for c in chunks:
+            prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window))
+            tok, self.tcache, self.rows = prog(
+                self.model.params, self.tcache, self.rows, self.put(c.tokens), self.put(c.n_valid),
+                self.put(c.slots), self.put(c.starts), new_d,
+            )  # fmt: skip
+        return tok
+
+    def admit(self, chunks, new: Rows) -> np.ndarray:
+        return np.asarray(self.admit_target(chunks, new))
+
+    def queues_ahead(self) -> bool:
+        return True
+
+    def drain(self, handle) -> None:
+        jax.block_until_ready(handle)
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        return {}
+
+
+class AR(Method):
+    """Plain autoregressive decoding: one step per token for every slot."""
+
+    name = "ar"
+
+    def compile_rounds(self, windows) -> None:
+        for mode in self.modes:
+            for w in windows:
+                prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(w))
+                prog.precompile(
+                    self.model.params, self.tcache, self.rows, self.active(np.zeros(self.B, bool))
+                )
+
+    def dispatch(self, live, window, mode):
+        prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window))
+        tok, self.tcache, self.rows = prog(self.model.params, self.tcache, self.rows, self.active(live))
+        return tok
+
+    def read(self, tok, live, fresh) -> RoundOut:
+        t = np.asarray(tok)
+        return RoundOut(t[:, None], np.ones(self.B, np.int64), np.zeros(self.B, np.int64))

@@ -1,0 +1,311 @@
+"""SD in the engine: one compiled round per step on one device (draft model, n-gram or random
+proposals; K fixed or re-chosen every round), the stage-by-stage round of ``--profile-stages``, and the
+draft model on a mesh (or process) of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from ssd_jax.analysis.kchoice import OnlineK
+from ssd_jax.compile import Compiled
+from ssd_jax.decoding.sd import host_width, sd_round_program, sd_steps
+from ssd_jax.decoding.sd_two_mesh import sd_two_mesh_programs
+from ssd_jax.decoding.slots import Rows, draft_prefill_program
+from ssd_jax.drafters.model import draft_steps as draft_programs
+from ssd_jax.drafters.ngram import ngram_proposals
+from ssd_jax.engine.core import RoundOut
+from ssd_jax.engine.methods.base import Method
+from ssd_jax.parallel.placement import cache_for
+from ssd_jax.sampling.filters import fold_in
+
+
+@dataclasses.dataclass(frozen=True)
+class SDRound:
+    """A dispatched SD round: its device output, K, the host's proposal counts (n-gram) and live rows."""
+
+    out: jax.Array  # (B, K+2): emitted tokens, then the accepted count
+    k: int
+    n_draft: np.ndarray | None
+    live: np.ndarray
+
+
+class SD(Method):
+    """SD on one device: ``kind`` is "model", "random" or "host" (n-gram proposals)."""
+
+    name = "sd"
+    speculates = True
+
+    def __init__(self, model, modes, spec, drafter):
+        super().__init__(model, modes)
+        self.spec, self.drafter = spec, drafter
+        self.kind = {"model": "model", "random": "random"}.get(drafter.kind, "host")
+        self.draft = drafter.model if self.kind == "model" else None
+        self.K = int(spec.k)
+        plan = spec.k_plan if self.kind != "random" else None
+        self.sched = OnlineK(plan, self.K) if plan is not None else None
+        ks = {self.K, *(plan.ks if plan is not None else ())}
+        self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
+        self.k_max = max(self.widths)
+        self.extra_slots = self.k_max + 1
+        self.empty_rounds = 0
+
+    def setup_draft(self, engine) -> None:
+        self.dcache = cache_for(self.draft, self.B, self.max_len) if self.draft is not None else None
+        self.catch = self.put(np.bool_(False))
+        self.history = [np.zeros(0, np.int32)] * self.B
+
+    def _program(self, w: int, mode, window):
+        dcfg = self.draft.cfg if self.draft is not None else None
+        rand_vocab = getattr(self.drafter, "vocab", self.model.cfg.vocab_size)
+        nf = mode.needs_filter and not mode.greedy
+        return sd_round_program(
+            self.model.cfg, dcfg, w, self.model.cfg.vocab_size, rand_vocab, nf, self.kind, mode.greedy,
+            self.window(window),
+        )  # fmt: skip
+
+    def _round_args(self, live, host_toks, host_n):
+        dparams = self.draft.params if self.draft is not None else None
+        return (self.model.params, self.tcache, dparams, self.dcache, self.rows, self.catch, self.active(live),
+                self.put(host_toks), self.put(host_n))  # fmt: skip
+
+    def compile_rounds(self, windows) -> None:
+        off = np.zeros(self.B, bool)
+        for mode in self.modes:
+            for w in windows:
+                for k in self.widths:
+                    z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
+                    self._program(k, mode, w).precompile(*self._round_args(off, *z))
+
+    def admit(self, chunks, new: Rows) -> np.ndarray:
+        first = np.asarray(self.admit_target(chunks, new))
+        if self.draft is not None:
+            for c in chunks:
+                prog = draft_prefill_program(self.draft.cfg, c.whole, self.window(c.window))
+                self.dcache = prog(
+                    self.draft.params, self.dcache, self.put(c.tokens), self.put(c.n_valid), self.put(c.slots),
+                    self.put(c.starts),
+                )  # fmt: skip
+            jax.block_until_ready(self.dcache)
+        if self.kind == "host":
+            for r, b in enumerate(chunks[0].slots.tolist()):
+                toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
+                self.history[b] = np.asarray(toks + [int(first[r])], np.int32)
+        return first
+
+    def queues_ahead(self) -> bool:
+        return self.kind != "host"  # n-gram lookups need the round's tokens
+
+    def next_k(self) -> int:
+        return self.sched.k if self.sched is not None else self.K
+
+    def dispatch(self, live, window, mode) -> SDRound:
+        k = self.next_k()
+        if self.kind == "host":
+            toks, n_h = ngram_proposals(
+                self.history,
+                k,
+                self.spec.prompt_lookup_min,
+                self.spec.prompt_lookup_max,
+                rows=np.flatnonzero(live),
+            )
+            w = host_width(n_h, live, k)
+            self.empty_rounds += w == 0
+        else:
+            w, toks, n_h = k, np.zeros((self.B, k), np.int32), None
+        hn = n_h if n_h is not None else np.zeros(self.B, np.int32)
+        out, self.tcache, self.dcache, self.rows, self.catch = self._program(w, mode, window)(
+            *self._round_args(live, toks[:, :w], hn)
+        )
+        return SDRound(out, k, n_h, live)
+
+    def read(self, rnd: SDRound, live, fresh) -> RoundOut:
+        host = np.asarray(rnd.out)
+        emitted, n_acc = host[:, :-1], host[:, -1]
+        n_draft = rnd.n_draft if rnd.n_draft is not None else np.full(self.B, rnd.k, np.int32)
+        if self.sched is not None:
+            self.sched.update(rnd.k, live, n_acc, n_draft)
+        if self.kind == "host":
+            for b in np.flatnonzero(live):
+                self.history[b] = np.concatenate([self.history[b], emitted[b, : n_acc[b] + 1]])
+        return RoundOut(emitted, n_acc + 1, n_draft)
+
+    def drain(self, rnd: SDRound) -> None:
+        jax.block_until_ready(rnd.out)
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        return {
+            "k": self.K,
+            "draft": self.drafter.kind if self.kind != "model" else self.draft.name,
+            "draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None,
+            "calls_per_round": 1,
+            "rounds_without_proposals": self.empty_rounds,
+            **(self.sched.metrics() if self.sched is not None else {}),
+            "k_adaptive": self.sched is not None,
+        }  # fmt: skip
+
+
+def clock() -> float:
+    """Seconds, less the time spent compiling so far (a stage that compiles on first use is timed
+    without its compile, which is reported as compile_s)."""
+    return time.perf_counter() - Compiled.total_s
+
+
+class SDProfiled(SD):
+    """``--profile-stages``: each round as timed draft, verify and sample calls (the same keys, so the
+    same tokens as the one-call round, slower). K stays fixed."""
+
+    def __init__(self, model, modes, spec, drafter):
+        super().__init__(model, modes, dataclasses.replace(spec, k_plan=None), drafter)
+        self.times = {"draft_s": 0.0, "verify_s": 0.0, "sample_s": 0.0}
+        self.catch_h = False
+
+    def compile_rounds(self, windows) -> None:
+        pass  # compiled on first use; the compile time is reported, not timed
+
+    def _propose(self, live, k):
+        keys = self.rows.key_batch
+        kd = fold_in(fold_in(keys, 1), self.rows.steps)
+        if self.kind == "model":
+            prog = draft_programs(self.draft.cfg, k, self.model.cfg.vocab_size, True)[1][self.catch_h]
+            toks, q, self.dcache = prog(
+                self.draft.params, self.dcache, self.rows.prev, self.rows.cur, kd, self.rows.rs
+            )
+            return toks, np.full(self.B, k, np.int32), q
+        if self.kind == "random":
+            from ssd_jax.drafters.random import random_tokens
+
+            return random_tokens(kd, self.B, k, self.drafter.vocab), np.full(self.B, k, np.int32), None
+        toks, n_h = ngram_proposals(
+            self.history,
+            k,
+            self.spec.prompt_lookup_min,
+            self.spec.prompt_lookup_max,
+            rows=np.flatnonzero(live),
+        )
+        w = host_width(n_h, live, k)
+        self.empty_rounds += w == 0
+        return self.put(toks[:, :w]), n_h, None
+
+    def dispatch(self, live, window, mode) -> SDRound:
+        from ssd_jax.decoding.slots import park
+
+        k, rows = self.K, self.rows
+        a = clock()
+        toks, n_h, q = self._propose(live, k)
+        jax.block_until_ready(toks)
+        b = clock()
+        score, acc = sd_steps(self.model.cfg, True)
+        logits, self.tcache = score(self.model.params, self.tcache, rows.cur, toks)
+        jax.block_until_ready(logits)
+        c = clock()
+        emitted, n_acc, lengths, _, prev, cur = acc(
+            fold_in(rows.key_batch, 2), rows.steps, logits, toks, self.put(n_h), q, rows.rs, self.tcache.lengths,
+            rows.cur,
+        )  # fmt: skip
+        n_acc_h = np.asarray(n_acc)
+        d = clock()
+        for name, dt in (("draft_s", b - a), ("verify_s", c - b), ("sample_s", d - c)):
+            self.times[name] += dt
+        active = self.active(live)
+        self.tcache = park(self.tcache.with_lengths(lengths), active)
+        if self.dcache is not None:
+            self.dcache = park(self.dcache.with_lengths(lengths + 0), active)
+        self.rows = dataclasses.replace(rows, cur=cur, prev=prev, steps=rows.steps + 1)
+        self.catch_h = bool((n_acc_h >= n_h)[live].any())
+        out = jax.numpy.concatenate([emitted, n_acc[:, None]], axis=1)
+        return SDRound(out, k, n_h if self.kind == "host" else None, live)
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        overhead = max(0.0, wall - ttft - sum(self.times.values()))
+        return {**super().metrics(wall, ttft, rounds), **self.times, "overhead_s": overhead, "calls_per_round": 3}
+
+
+class SDTwoMeshes(Method):
+    """SD with the draft model on a mesh of its own (possibly another process): per round one draft
+    call and one target call, proposals crossing to the target and the outcome back; K fixed."""
+
+    name = "sd"
+    speculates = True
+
+    def __init__(self, placement, modes, spec, drafter):
+        super().__init__(placement.target, modes)
+        self.pl, self.spec, self.drafter = placement, spec, drafter
+        self.draft, self.K = placement.draft, int(spec.k)
+        self.k_max, self.extra_slots = self.K, self.K + 1
+        self.put = placement.put_target
+
+    def setup_draft(self, engine) -> None:
+        dput = self.pl.put_draft
+        self.dcache = cache_for(self.draft, self.B, self.max_len)
+        self.drows = jax.tree.map(dput, Rows.empty(self.B))
+        self.dlen, self.catch = dput(np.zeros(self.B, np.int32)), dput(np.bool_(False))
+
+    def _programs(self, mode, window):
+        nf = mode.needs_filter and not mode.greedy
+        return sd_two_mesh_programs(
+            self.model.cfg, self.draft.cfg, self.K, self.model.cfg.vocab_size, nf, self.window(window)
+        )
+
+    def compile_rounds(self, windows) -> None:
+        pass  # compiled by the first round (the moves between processes too); reported as compile_s
+
+    def admit(self, chunks, new: Rows) -> np.ndarray:
+        dput = self.pl.put_draft
+        tok = self.admit_target(chunks, new)
+        for c in chunks:
+            prog = draft_prefill_program(self.draft.cfg, c.whole, None)
+            self.dcache = prog(
+                self.draft.params, self.dcache, dput(c.tokens), dput(c.n_valid), dput(c.slots), dput(c.starts)
+            )
+        tok_d, tok_all = self.pl.to_draft(tok)
+        lengths = np.where(chunks[-1].n_valid > 0, chunks[-1].starts + chunks[-1].n_valid, chunks[-1].starts)
+        new_d = jax.tree.map(dput, new)
+        new_d = dataclasses.replace(new_d, cur=tok_d)
+        _, _, admit = self._programs(next(iter(self.modes)), self.max_len)
+        self.drows, self.dlen = admit(
+            self.drows, self.dlen, dput(chunks[0].slots), new_d, dput(lengths.astype(np.int32))
+        )
+        jax.block_until_ready(self.dcache)
+        return self.pl.read(tok_all)
+
+    def dispatch(self, live, window, mode):
+        draft_prog, target_prog, _ = self._programs(mode, window)
+        toks, q, self.dcache, self.drows = draft_prog(
+            self.draft.params, self.dcache, self.drows, self.dlen, self.catch
+        )
+        (toks_t, q_t), _ = self.pl.to_target((toks, q))
+        out, self.tcache, self.rows, outcome = target_prog(
+            self.model.params, self.tcache, self.rows, toks_t, q_t, self.active(live)
+        )
+        ((cur, prev, self.catch, self.dlen), _), (_, out_all) = self.pl.to_draft((outcome, out))
+        self.drows = dataclasses.replace(self.drows, cur=cur, prev=prev)
+        return out_all
+
+    def read(self, out, live, fresh) -> RoundOut:
+        host = self.pl.read(out)
+        return RoundOut(host[:, :-1], host[:, -1] + 1, np.full(self.B, self.K, np.int32))
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        return {
+            "k": self.K,
+            "draft": self.draft.name,
+            "draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None,
+            "calls_per_round": 2,
+            "rounds_without_proposals": 0,
+            "devices": device_metrics(self.pl),
+        }  # fmt: skip
+
+
+def device_metrics(pl) -> dict:
+    return {
+        "single_device": pl.single,
+        "target": len(pl.target_devices),
+        "draft": len(pl.draft_devices),
+        "processes": jax.process_count(),
+        "target_processes": sorted({d.process_index for d in pl.target_devices}),
+        "draft_processes": sorted({d.process_index for d in pl.draft_devices}),
+    }

@@ -1,0 +1,367 @@
+"""SSD in the engine: one compiled round per step when both models share a device; on two meshes (or
+two processes) one target call (verify + sampling) and two draft calls (the tree build, overlapping the
+verify, and the lookup with its backup once the outcome has crossed back). ``--profile-stages`` /
+``--trace`` run the stages as separate calls on a timeline. The backups: neural, random, n-gram (the
+host reads the round's tokens before its lookup) and auto (neural below the critical batch size b*)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from ssd_jax.decoding.slots import Rows, draft_prefill_program
+from ssd_jax.decoding.ssd import fanout as fo
+from ssd_jax.decoding.ssd import host as ssd_host
+from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
+from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
+from ssd_jax.decoding.ssd.tree import Opts
+from ssd_jax.decoding.trace import Timeline
+from ssd_jax.drafters.base import Proposal
+from ssd_jax.drafters.ngram import ngram_proposals
+from ssd_jax.engine.core import RoundOut
+from ssd_jax.engine.methods.base import Method
+from ssd_jax.engine.methods.sd import device_metrics
+from ssd_jax.errors import UserError
+from ssd_jax.models import llama
+from ssd_jax.parallel import distributed as dist
+
+
+@dataclasses.dataclass
+class SSDRound:
+    """A dispatched SSD round."""
+
+    kind: str  # the backup its lookup ran: neural, random or host (n-gram)
+    sched: np.ndarray  # the fan-out table its tree was built with
+    out: jax.Array  # (B, K+2[+META]) emitted tokens, accepted count (fused: then the next speculation's meta)
+    meta: jax.Array | None = None  # (B, META) the next speculation's meta (split rounds)
+    host: np.ndarray | None = None  # the round's host copy, once read
+
+
+@dataclasses.dataclass
+class SSDStats:
+    """What SSD's host learns from its rounds: hits, tokens per round after hits and misses, fallbacks."""
+
+    batch: int
+    hits: np.ndarray = None
+    lookups: np.ndarray = None
+    tau: dict = dataclasses.field(default_factory=lambda: {"hit": [0, 0], "miss": [0, 0]})
+    batch_all_hit: list = dataclasses.field(default_factory=lambda: [0, 0])
+    fallback_calls: dict = dataclasses.field(default_factory=lambda: {"neural": 0, "ngram": 0, "random": 0})
+
+    def __post_init__(self):
+        self.hits = np.zeros(self.batch, np.int64)
+        self.lookups = np.zeros(self.batch, np.int64)
+
+
+class SSD(Method):
+    name = "ssd"
+    speculates = True
+
+    def __init__(self, placement, modes, spec, *, trace_path=None):
+        super().__init__(placement.target, modes)
+        self.pl, self.spec, self.draft = placement, spec, placement.draft
+        self.put, self.dput = placement.put_target, placement.put_draft
+        self.K = K = int(spec.k)
+        n_dd = 1 if placement.single else len(placement.draft_devices)
+        self.uniform, self.M, self.est = ssd_host.fanout_setup(spec, n_dd)
+        if self.M % len(placement.draft_devices) and not placement.single:
+            raise UserError(
+                f"the fan-out budget ({self.M} branches) must divide over the {len(placement.draft_devices)} draft devices"
+            )
+        self.k_max, self.extra_slots = K, K + 1
+        self.trace_path = trace_path
+        self.profiled = bool(trace_path) or spec.profile_stages
+        self.fused = placement.single and not self.profiled
+        self.kinds = {
+            "neural": ["neural"],
+            "random": ["random"],
+            "ngram": ["host"],
+            "auto": ["neural", "host"],
+        }[spec.backup]
+        self.first_kind = "random" if spec.backup == "random" else "neural"
+        self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
+        self.calls = 0
+        self.b_star = None
+
+    # --- set-up
+
+    def setup_draft(self, engine) -> None:
+        B, K, M, pl = self.B, self.K, self.M, self.pl
+        tok = self.model.tokenizer
+        self.opts = Opts(
+            k=K, budget=M, vocab=self.model.cfg.vocab_size,
+            rand_vocab=tok.vocab_size if tok is not None else self.model.cfg.vocab_size,
+            needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c), tree_base=self.max_len,
+            mesh=None if pl.single else self.draft.mesh,
+        )  # fmt: skip
+        self.ctl = Control(k=K, budget=M, batch=B)
+        self.dcache = jax.tree.map(self.dput, llama.init_cache(self.draft.cfg, B, self.max_len + M * K))
+        self.drows = self.rows if self.fused else jax.tree.map(self.dput, Rows.empty(B))
+        q = None if not self.carry_q else np.full((B, K, self.model.cfg.vocab_size), -np.inf, np.float32)
+        sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
+        self.sp, self.pm = jax.tree.map(self.dput, sp), self.dput(np.zeros(B, bool))
+        self.sp_t = None if self.fused else ssd_host.spec_to_target(self.sp, pl)
+        self.meta_next = np.zeros((B, META), np.int64)
+        self.history = [np.zeros(0, np.int32)] * B
+        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
+        self.stats = SSDStats(B)
+        self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
+        self.costs = backup_cost_estimate(
+            self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
+            context=0.75 * self.max_len, device=pl.draft_devices[0],
+        )  # fmt: skip
+        self.tl = Timeline(enabled=self.profiled)
+        self.tlane, self.dlane = ssd_host.lane(pl.target_devices), ssd_host.lane(pl.draft_devices)
+        self.hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
+        if self.profiled and dist.multi_process():
+            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
+        self.origin = time.perf_counter()
+        self.prom = engine.metrics  # the server's Prometheus metrics, if any
+
+    def compile_rounds(self, windows) -> None:
+        pass  # compiled on first use; the compile time is reported as compile_s and not timed
+
+    def _progs(self, mode, window=None):
+        opts = dataclasses.replace(self.opts, needs_filter=self.carry_q and mode.needs_filter)
+        return ssd_programs(
+            self.model.cfg, self.draft.cfg, opts, self.ctl, self.window(window or self.max_len)
+        )
+
+    def _ctrl(self, live):
+        return self.dput(self.ctl.pack(self.kb_tab, self.rb_tab, self.est.schedule(False)[: self.K], live))
+
+    # --- admission
+
+    def admit(self, chunks, new: Rows) -> np.ndarray:
+        pl, dput = self.pl, self.dput
+        tok = self.admit_target(chunks, new)
+        if self.fused:
+            self.drows = self.rows
+        for c in chunks:
+            prog = draft_prefill_program(self.draft.cfg, c.whole, None)
+            self.dcache = prog(
+                self.draft.params, self.dcache, dput(c.tokens), dput(c.n_valid), dput(c.slots), dput(c.starts)
+            )
+        tok_d, tok_all = (tok, tok) if pl.single else pl.to_draft(tok)
+        new_d = dataclasses.replace(jax.tree.map(dput, new), cur=tok_d)
+        slots = chunks[0].slots
+        first = self._progs(next(iter(self.modes)))[f"first_{self.first_kind}_{chunks[0].whole}"]
+        live = np.zeros(self.B, bool)
+        live[slots] = True
+        self.sp, self.pm, self.dcache, self.drows = first(
+            self.draft.params, self.dcache, self.drows, self.sp, self.pm, dput(slots), new_d, self._ctrl(live)
+        )
+        self.tl.record(f"fallback_{self.first_kind}", self.dlane, self.sp.tokens, round=0)
+        self.stats.fallback_calls[self.first_kind] += 1
+        if self.fused:
+            self.rows = self.drows
+        else:
+            self.sp_t = ssd_host.spec_to_target(self.sp, pl)
+        self.meta_next[slots] = [0, self.first_kind != "neural", self.K, 1]
+        first_h = pl.read(tok_all)
+        if "host" in self.kinds:
+            for r, b in enumerate(slots.tolist()):
+                toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
+                self.history[b] = np.asarray(toks + [int(first_h[r])], np.int32)
+        jax.block_until_ready(self.sp.tokens)
+        return first_h
+
+    # --- rounds
+
+    def choose_kind(self, live) -> str:
+        if self.spec.backup != "auto":
+            return self.kinds[0]
+        m, c = self.means, self.costs
+        self.b_star = fo.critical_batch_size(
+            m["p_hit"], m["e_hit"], m["e_neural"], m["e_fast"], c["t_primary"], c["t_neural"], c["t_fast"]
+        )
+        return "neural" if int(live.sum()) < self.b_star else "host"
+
+    def queues_ahead(self) -> bool:
+        return self._next_kind != "host"
+
+    _next_kind = "neural"
+
+    def dispatch(self, live, window, mode) -> SSDRound:
+        kind = self.choose_kind(live)
+        self._next_kind = kind
+        progs, ctrl = self._progs(mode, window), self._ctrl(live)
+        rnd = SSDRound(kind, self.sched, None)
+        active = self.active(live)
+        if self.fused and kind != "host":
+            rnd.out, self.sp, self.pm, self.tcache, self.dcache, self.rows = progs[f"round_{kind}"](
+                self.model.params,
+                self.tcache,
+                self.draft.params,
+                self.dcache,
+                self.rows,
+                self.sp,
+                self.pm,
+                active,
+                ctrl,
+            )
+            self.drows = self.rows
+            self.calls += 1
+            return rnd
+        return self._dispatch_split(rnd, progs, ctrl, live, active)
+
+    def _dispatch_split(self, rnd, progs, ctrl, live, active) -> SSDRound:
+        pl, tl, step = self.pl, self.tl, self.calls + 1
+        active_d = active if pl.single else self.dput(live)
+        if self.fused:  # an n-gram round of a one-device run: the speculation is already in place
+            self.sp_t = ssd_host.spec_only(self.sp)
+        if self.profiled:
+            logits, self.tcache = progs["score"](
+                self.model.params, self.tcache, self.rows.cur, self.sp_t.tokens
+            )
+            tl.record("verify", self.tlane, logits, round=step)
+        else:
+            out, outcome, self.tcache, self.rows = progs["verify"](
+                self.model.params, self.tcache, self.rows, self.sp_t, active
+            )
+            tl.record("verify", self.tlane, out, round=step)
+        tree, self.dcache = progs["build"](self.draft.params, self.dcache, self.drows, self.sp, self.pm, ctrl)
+        tl.record("build", self.dlane, tree.tokens, round=step)
+        if self.profiled:
+            out, outcome, self.tcache, self.rows = progs["sample"](
+                logits, self.tcache, self.rows, self.sp_t, active
+            )
+            tl.record("sample", self.tlane, outcome, round=step)
+        if pl.single:
+            rnd.out = out
+        else:
+            (outcome, _), (_, rnd.out) = pl.to_draft((outcome, out))
+        host_tok = host_n = None
+        if rnd.kind == "host":  # n-gram lookups need this round's tokens: read them now
+            rnd.host = pl.read(rnd.out)
+            self._extend_history(rnd.host, live)
+            a = time.perf_counter()
+            ng, ng_n = ngram_proposals(
+                self.history,
+                self.K,
+                self.spec.prompt_lookup_min,
+                self.spec.prompt_lookup_max,
+                rows=np.flatnonzero(live),
+            )
+            host_tok, host_n = self.dput(ng), self.dput(ng_n.astype(np.int32))
+            tl.mark("ngram", self.hlane, round=step, start=a, end=time.perf_counter())
+        else:
+            host_tok, host_n = (
+                self.dput(np.zeros((self.B, self.K), np.int32)),
+                self.dput(np.zeros(self.B, np.int32)),
+            )
+        self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
+            self.draft.params, tree, self.dcache, outcome, self.drows, ctrl, host_tok, host_n, active_d
+        )
+        tl.record("advance", self.dlane, self.sp.tokens, round=step)
+        if pl.bridge is None:
+            self.sp_t, rnd.meta = ssd_host.spec_to_target(self.sp, pl), meta
+        else:
+            (self.sp_t, _), (_, rnd.meta) = pl.to_target((ssd_host.spec_only(self.sp), meta))
+        self.calls += 3 + self.profiled
+        return rnd
+
+    def _extend_history(self, host: np.ndarray, live) -> None:
+        K = self.K
+        for b in np.flatnonzero(live):
+            self.history[b] = np.concatenate([self.history[b], host[b, : host[b, K + 1] + 1]])
+
+    def read(self, rnd: SSDRound, live, fresh) -> RoundOut:
+        K, pl = self.K, self.pl
+        host_known = rnd.host is not None
+        out_h = rnd.host if host_known else pl.read(rnd.out)
+        n_acc = out_h[:, K + 1]
+        meta_h = out_h[:, K + 2 :] if rnd.meta is None else pl.read(rnd.meta)
+        meta_cur = self.meta_next.copy()
+        self._learn(rnd, live, n_acc, meta_cur, meta_h)
+        self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
+        if "host" in self.kinds and not host_known:
+            self._extend_history(out_h, live)
+        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0)
+
+    def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
+        """The round's statistics: the fan-out estimators, the backup decision's means, hits, fallbacks."""
+        st, means = self.stats, self.means
+        hit_h, miss_dev = meta_h[:, 0] > 0, (meta_h[:, 0] == 0) & (meta_h[:, 3] > 0)
+        from_cache, post_miss, n_draft_h = meta_cur[:, 0] > 0, meta_cur[:, 1] > 0, meta_cur[:, 2]
+        emitted_n = n_acc + 1
+        for name, sel in (("hit", from_cache & lv), ("miss", ~from_cache & lv)):
+            st.tau[name][0] += int(emitted_n[sel].sum())
+            st.tau[name][1] += int(sel.sum())
+        for name, sel in (
+            ("e_hit", from_cache),
+            ("e_neural", ~from_cache & ~post_miss),
+            ("e_fast", post_miss),
+        ):
+            if (sel & lv).any():
+                means.add(name, float(emitted_n[sel & lv].mean()))
+        if not lv.any():
+            return
+        fan_rows = rnd.sched[np.where(post_miss, 1 + n_draft_h, 0)]
+        self.est.observe(n_acc[lv], n_draft_h[lv], hit_h[lv], fan_rows[lv], post_miss[lv])
+        st.batch_all_hit[0] += int(hit_h[lv].all())
+        st.batch_all_hit[1] += 1
+        means.add("p_hit", float(hit_h[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
+        self._hit_pending = hit_h
+        if (miss_dev & lv).any():  # a fallback ran on the device
+            st.fallback_calls[{"host": "ngram"}.get(rnd.kind, rnd.kind)] += 1
+
+    def settle(self, going: np.ndarray) -> None:
+        """After the round's tokens reached the rows: its lookups count for the rows that go on (the
+        speculation they produced is verified next)."""
+        hit = getattr(self, "_hit_pending", None)
+        if hit is not None:
+            self.stats.hits += hit & going
+            self.stats.lookups += going
+            if self.prom is not None:
+                self.prom.cache_lookup(int(going.sum()), int((hit & going).sum()))
+            self._hit_pending = None
+
+    def drain(self, rnd: SSDRound) -> None:
+        jax.block_until_ready((rnd.out, self.sp.tokens))
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        st, est = self.stats, self.est
+        self.tl.close()
+        tl = self.tl
+        if self.profiled and dist.multi_process():  # every process's lanes, on process 0
+            tl = ssd_host.merged_timeline(tl, self.origin)
+        if self.trace_path and dist.is_main() and tl is not None:
+            tl.write_chrome(self.trace_path)
+        names = ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction")
+        stages = (
+            ssd_host.stage_metrics(tl, wall, ttft)
+            if self.profiled and tl is not None
+            else dict.fromkeys(names)
+        )
+        return {
+            "k": self.K,
+            "draft": self.draft.name,
+            "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
+            "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
+            "tau_hit": st.tau["hit"][0] / st.tau["hit"][1] if st.tau["hit"][1] else 0.0,
+            "tau_miss": st.tau["miss"][0] / st.tau["miss"][1] if st.tau["miss"][1] else 0.0,
+            "fanout": {
+                "mode": "uniform" if self.uniform else "geometric",
+                "budget": self.M,
+                "schedule": est.schedule(False).tolist(),
+                "post_miss_schedule": est.schedule(True).tolist(),
+                **est.to_dict(),
+            },
+            "saguaro_c": float(self.spec.saguaro_c),
+            "backup": self.spec.backup,
+            "b_star": self.b_star,
+            "backup_model": self.costs,
+            "fallback_calls": dict(st.fallback_calls),
+            **stages,
+            "calls_per_round": self.calls / max(1, rounds),
+            "devices": device_metrics(self.pl),
+        }
+
+    def row_metrics(self, b: int) -> dict:
+        st = self.stats
+        return {"cache_hit_rate": float(st.hits[b] / st.lookups[b]) if st.lookups[b] else 0.0}
