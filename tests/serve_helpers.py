@@ -14,14 +14,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(target: str, *flags, timeout: float = 300):
-    """(process, base url) of a server on a free port, once /health answers."""
+def start(target: str, *flags, timeout: float = 300, devices: int = 1):
+    """(process, base url) of a server on a free port, once /health answers; ``devices``: CPU devices
+    the process sees (2: a target device and a draft device)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "ssd_jax.serve", "--target", target, "--port", str(port), *flags]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user runs it
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

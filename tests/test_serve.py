@@ -113,6 +113,10 @@ class _Servers:
             "4",
             "--max-waiting",
             "40",
+            "--target-devices",  # SSD's draft on a device of its own (the process sees two)
+            "1",
+            "--draft-devices",
+            "1",
         ],
     }
 
@@ -122,7 +126,7 @@ class _Servers:
     def __getitem__(self, name):
         if name not in self.started:
             flags = [f.format(draft=self.draft) for f in self.FLAGS[name]]
-            self.started[name] = start(self.target, *SERVER_FLAGS, *flags)
+            self.started[name] = start(self.target, *SERVER_FLAGS, *flags, devices=2 if name == "ssd" else 1)
         return self.started[name][1]
 
 
@@ -403,16 +407,20 @@ def test_engine_failure_fails_requests_then_503(pair, stream):
     from ssd_jax import load_model
     from ssd_jax.decoding.spec import SpecConfig
     from ssd_jax.serve.app import build_app
-    from ssd_jax.serve.engine import Engine
+    from ssd_jax.engine.core import ALL_MODES, Engine
+    from ssd_jax.engine.methods import build_method
+    from ssd_jax.serve.engine import ServingEngine
     from ssd_jax.serve.metrics import Metrics
 
     m = Metrics(0)
-    engine = Engine(load_model(pair[0]), SpecConfig(), max_batch=2, max_len=64, prefill_chunk=16, metrics=m)
+    method = build_method(load_model(pair[0]), SpecConfig(method="ar"), ALL_MODES, load_model)
+    core = Engine(method, max_batch=2, max_len=64, prefill_chunk=16, metrics=m, admit_together=False)
+    engine = ServingEngine(core)
 
     def boom(*args):
         raise RuntimeError("device lost\nwhile decoding")
 
-    engine._rounds = dict.fromkeys(engine._rounds, boom)
+    method.dispatch = boom  # every round raises
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     with TestClient(build_app(engine, NAME, m)) as c:
         if stream:
