@@ -59,32 +59,7 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
-    # draft_dtype / draft_vocab "auto" (the defaults): the variant the calibration expects to be fastest
-    # (its measurements are K auto's, so the target's side is measured once for both)
-    target_cal: dict = {}
-    spec, draft_auto, variant_s = choose_draft_variant(model, spec, len(ids) * sampling.n, load, target_cal)
-    if (
-        spec.draft_dtype is not None
-    ):  # validate() refused it for ar / ngram / random; before trimming (cast once)
-        from ssd_jax.loading.loaded import with_weight_dtype
-
-        draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
-        spec = dataclasses.replace(spec, draft=with_weight_dtype(draft, spec.draft_dtype))
-    if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
-        from ssd_jax.drafters.vocab import trimmed_draft
-
-        spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
-    # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
-    # time counts as compile time
-    spec, k_auto, calib_s = resolve_k(model, spec, sampling, len(ids) * sampling.n, load, target_cal)
-    spans = spec.target_devices is not None or spec.draft_devices is not None  # meshes of several processes
-    if (
-        k_auto is not None and multi_process() and spans
-    ):  # each process measured its own: all use process 0's K, fixed
-        budget = spec.fan_out_budget  # SSD's round plan chooses it with K
-        spec = dataclasses.replace(
-            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
-        )
+    spec, draft_auto, k_auto, calib_s = _prepare(model, spec, sampling, len(ids) * sampling.n, load)
     spec.validate()
     method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
@@ -95,7 +70,7 @@ def generate(
     c0 = Compiled.total_s
     engine = Engine(method, max_batch=len(rows_ids), max_len=max_len)
     res = _run(engine, list(prompts), rows_ids, sampling, on_text)
-    res.metrics["compile_s"] += calib_s + variant_s + (Compiled.total_s - c0)
+    res.metrics["compile_s"] += calib_s + (Compiled.total_s - c0)
     if k_auto is not None:  # did the engine re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
@@ -110,6 +85,38 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return _record_cpus(res, spec)
+
+
+def _prepare(model, spec: SpecConfig, sampling: SamplingParams, n_rows: int, load):
+    """The draft as it will run (weight dtype, trimmed head) and K: (spec, draft_auto, k_auto, the
+    calibration's seconds, counted as compile time)."""
+    # draft_dtype / draft_vocab "auto" (the defaults): the variant the calibration expects to be fastest
+    # (its measurements are K auto's, so the target's side is measured once for both)
+    target_cal: dict = {}
+    spec, draft_auto, variant_s = choose_draft_variant(model, spec, n_rows, load, target_cal)
+    if (
+        spec.draft_dtype is not None
+    ):  # validate() refused it for ar / ngram / random; before trimming (cast once)
+        from ssd_jax.loading.loaded import with_weight_dtype
+
+        draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
+        spec = dataclasses.replace(spec, draft=with_weight_dtype(draft, spec.draft_dtype))
+    if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
+        from ssd_jax.drafters.vocab import trimmed_draft
+
+        spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
+    # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
+    # time counts as compile time
+    spec, k_auto, calib_s = resolve_k(model, spec, sampling, n_rows, load, target_cal)
+    spans = spec.target_devices is not None or spec.draft_devices is not None  # meshes of several processes
+    if (
+        k_auto is not None and multi_process() and spans
+    ):  # each process measured its own: all use process 0's K, fixed
+        budget = spec.fan_out_budget  # SSD's round plan chooses it with K
+        spec = dataclasses.replace(
+            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
+        )
+    return spec, draft_auto, k_auto, calib_s + variant_s
 
 
 def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -> GenerationResult:

@@ -5,11 +5,11 @@ How continuous batching maps onto the engine
 The server owns ONE static batch of ``max_batch`` slots, the same shape the offline loops run:
 a target KV cache ``(B, S)`` (and a draft cache for a draft model) with ``S = --max-model-len``
 slots per row. A slot holds one sequence (an API request with ``n > 1`` holds ``n`` slots).
-One host thread (:class:`~ssd_jax.serve.engine.Engine`) runs rounds:
+One host thread (:class:`~ssd_jax.serve.engine.ServingEngine`, stepping the one engine :class:`ssd_jax.engine.core.Engine` that ``generate()`` also runs) runs rounds:
 
 1. **admit** - between rounds, each waiting sequence takes a free slot. Its prompt is prefilled
    in fixed chunks of ``C = --prefill-chunk`` tokens into that slot's row of the cache (one
-   compiled call per chunk, :func:`~ssd_jax.serve.programs.admit_chunk`: slice the row out,
+   compiled call per chunk, :func:`ssd_jax.decoding.slots.prefill_target`: slice the row out,
    ``runtime.prefill_step`` on it, write it back; a draft model's row likewise). The last chunk
    samples the sequence's first token. Running rows wait at most one chunk per admission.
 2. **round** - one compiled call advances every slot: AR is ``runtime.decode_step``; SD is
@@ -32,7 +32,7 @@ Attention windows (context-length buckets). Attention reads every cache slot of 
 round over ``S = --max-model-len`` slots costs what the longest possible context costs, whatever
 the running rows hold: on XLA:CPU an 8-row SmolLM2 decode step at context 200 takes 162 ms over
 1024 slots and 86 ms over 256. The server compiles each program for ``--context-buckets``
-windows (``S`` halved, :func:`~ssd_jax.serve.programs.context_windows`), and each call attends over
+windows (``S`` halved, :func:`ssd_jax.decoding.slots.context_windows`), and each call attends over
 the smallest window holding every running row's context plus the round's writes
 (``KVCache.window``, a static field: ``k[:, :W]`` inside the attention; the writes still go to
 the full cache). Masked slots beyond a row's length contribute exactly 0 either way, so the

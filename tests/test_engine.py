@@ -1,0 +1,63 @@
+"""The one engine (ssd_jax/engine/core.py) driven directly: fewer slots than sequences, sequences arriving
+while rounds run, and the seed rule (a seeded row draws the same tokens whatever shares its batch), for
+AR, SD and SSD on tiny models."""
+
+import dataclasses
+
+import pytest
+from test_sd import tiny_model
+
+from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.engine.core import Engine, Mode, Sequence
+from ssd_jax.engine.methods import build_method
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 3, 5, 7, 2, 9, 4], [20, 21], [5, 5, 5, 5]]
+SPECS = {
+    "ar": lambda d: SpecConfig(),
+    "sd": lambda d: SpecConfig(method="sd", draft=d, k=3, draft_dtype=None, draft_vocab=None),
+    "ngram": lambda d: SpecConfig(method="sd", draft="ngram", k=2),
+    "ssd": lambda d: SpecConfig(method="ssd", draft=d, k=2, backup="neural", draft_dtype=None, draft_vocab=None),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(0), tiny_model(1, scale=0.16)
+
+
+def _engine(pair, spec, sp, slots):
+    target, draft = pair
+    method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
+    return Engine(method, max_batch=slots, max_len=64, prefill_chunk=4, admit_together=False)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_fewer_slots_than_sequences_and_late_arrivals(pair, method):
+    """Five greedy sequences of different lengths through two slots, two of them submitted while rounds
+    run: each equals generate() of its prompt alone (AR's tokens)."""
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in PROMPTS]
+    engine = _engine(pair, SPECS[method](draft), sp, slots=2)
+    seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=9 - i)) for i, p in enumerate(PROMPTS)]
+    engine.submit(seqs[:3])
+    for _ in range(3):
+        engine.step()
+    engine.submit(seqs[3:])
+    engine.run()
+    assert [s.row.tokens for s in seqs] == [a[: 9 - i] for i, a in enumerate(alone)]
+    assert all(s.finish_reason == "length" for s in seqs)
+    assert engine.running == 0 and not engine.waiting
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
+def test_a_seeded_row_ignores_its_batch(pair, method):
+    """Sampled, seeded: a prompt's samples are the same alone and beside other prompts (each row has its
+    own key; offline as in the server)."""
+    target, draft = pair
+    spec = SPECS[method](draft)
+    sp = SamplingParams(temperature=1.0, top_k=20, seed=7, max_new_tokens=10, ignore_eos=True, n=2)
+    alone = generate(target, [PROMPTS[2]], sp, spec).outputs
+    crowd = generate(target, PROMPTS, sp, spec).outputs[4:6]
+    assert [o["token_ids"] for o in crowd] == [o["token_ids"] for o in alone]
+    assert alone[0]["token_ids"] != alone[1]["token_ids"]  # the two samples draw from their own streams
