@@ -272,7 +272,9 @@ def biased_verify(key, logits, draft, n_draft, rs, needs_filter, q=None):
     acc = jnp.cumprod(ok.astype(jnp.int32), 1).astype(bool)
     n = acc.sum(1).astype(jnp.int32)
     lp = filter_logprobs(logits, rs, needs_filter)
-    nxt = categorical(key, jnp.take_along_axis(lp, n[:, None, None], 1)[:, 0]).astype(jnp.int32)  # row keys too
+    nxt = categorical(key, jnp.take_along_axis(lp, n[:, None, None], 1)[:, 0]).astype(
+        jnp.int32
+    )  # row keys too
     return VerifyResult(n, nxt, acc)
 
 

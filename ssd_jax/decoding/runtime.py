@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax.numpy as jnp
 
 from ssd_jax.compile import Compiled
 from ssd_jax.models import llama
@@ -28,17 +27,6 @@ from ssd_jax.sampling.filters import RowSampling, fold_in, sample
 # --- the AR steps ---------------------------------------------------------------------
 
 
-def prefill_step(
-    params: Params, cache: KVCache, tokens_BxT, n_valid_B, key, rs: RowSampling, *, cfg, needs_filter
-):
-    """Write right-padded prompts into the cache; sample each row's first new token."""
-    h, cache = llama.forward(params, cfg, tokens_BxT, cache)
-    last = jnp.take_along_axis(h, (n_valid_B - 1)[:, None, None], axis=1)[:, 0]
-    lg = llama.logits(params, cfg, last)
-    tok = sample(key, lg, rs, needs_filter)
-    return tok, cache.with_lengths(cache.lengths + n_valid_B)
-
-
 def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSampling, *, cfg, needs_filter):
     """Append one token per row and sample the next one. ``key``, ``step``: one key and step, or per row
     (a (B,) batch of row keys and (B,) steps)."""
@@ -46,20 +34,6 @@ def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSamp
     lg = llama.logits(params, cfg, h[:, 0])
     tok = sample(fold_in(key, step), lg, rs, needs_filter)
     return tok, cache.with_lengths(cache.lengths + 1)
-
-
-@functools.lru_cache(maxsize=64)
-def ar_steps(cfg: ModelConfig, needs_filter: bool) -> tuple[Compiled, Compiled]:
-    """The (prefill, decode) pair for a config; cached so repeated generate() calls reuse executables."""
-    pre = Compiled(
-        functools.partial(prefill_step, cfg=cfg, needs_filter=needs_filter),
-        donate_argnums=(1,),
-        name="prefill",
-    )
-    dec = Compiled(
-        functools.partial(decode_step, cfg=cfg, needs_filter=needs_filter), donate_argnums=(1,), name="decode"
-    )
-    return pre, dec
 
 
 # --- the engine's AR round: every slot, each row from its own key at its own step

@@ -144,6 +144,4 @@ def target_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
 @functools.lru_cache(maxsize=64)
 def draft_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
     fn = functools.partial(prefill_draft, cfg=cfg, whole=whole)
-    return Compiled(
-        windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="draft_prefill"
-    )
+    return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="draft_prefill")

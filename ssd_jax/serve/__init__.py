@@ -10,7 +10,7 @@ One host thread (:class:`~ssd_jax.serve.engine.ServingEngine`, stepping the one 
 1. **admit** - between rounds, each waiting sequence takes a free slot. Its prompt is prefilled
    in fixed chunks of ``C = --prefill-chunk`` tokens into that slot's row of the cache (one
    compiled call per chunk, :func:`ssd_jax.decoding.slots.prefill_target`: slice the row out,
-   ``runtime.prefill_step`` on it, write it back; a draft model's row likewise). The last chunk
+   the prefill on it, write it back; a draft model's row likewise). The last chunk
    samples the sequence's first token. Running rows wait at most one chunk per admission.
 2. **round** - one compiled call advances every slot: AR is ``runtime.decode_step``; SD is
    ``sd.sd_round`` (draft K, verify, rejection-sample, advance) with the model drafter, or with

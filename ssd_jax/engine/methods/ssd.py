@@ -116,13 +116,25 @@ class SSD(Method):
         self.tl = Timeline(enabled=self.profiled)
         self.tlane, self.dlane = ssd_host.lane(pl.target_devices), ssd_host.lane(pl.draft_devices)
         self.hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
-        if self.profiled and dist.multi_process():
-            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
-        self.origin = time.perf_counter()
         self.prom = engine.metrics  # the server's Prometheus metrics, if any
 
     def compile_rounds(self, windows) -> None:
-        pass  # compiled on first use; the compile time is reported as compile_s and not timed
+        """Run one round of every kind, mode and window over free slots (results ignored), so the rounds'
+        programs, the tree's shardings and the moves between processes are compiled before any timing;
+        then forget what those rounds recorded."""
+        off = np.zeros(self.B, bool)
+        for mode in self.modes:
+            for w in windows:
+                for kind in self.kinds:
+                    self._forced = kind
+                    self.read(self.dispatch(off, w, mode), off, off)
+        self._forced = None
+        self.calls, self.meta_next[:] = 0, 0
+        self.stats = SSDStats(self.B)
+        self.tl = Timeline(enabled=self.profiled)
+        if self.profiled and dist.multi_process():
+            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
+        self.origin = time.perf_counter()
 
     def _progs(self, mode, window=None):
         opts = dataclasses.replace(self.opts, needs_filter=self.carry_q and mode.needs_filter)
@@ -171,7 +183,11 @@ class SSD(Method):
 
     # --- rounds
 
+    _forced = None  # the kind a warm-up round runs
+
     def choose_kind(self, live) -> str:
+        if self._forced is not None:
+            return self._forced
         if self.spec.backup != "auto":
             return self.kinds[0]
         m, c = self.means, self.costs
