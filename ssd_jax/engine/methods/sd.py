@@ -56,6 +56,7 @@ class SD(Method):
     def setup_draft(self, engine) -> None:
         self.dcache = cache_for(self.draft, self.B, self.max_len) if self.draft is not None else None
         self.catch = self.put(np.bool_(False))
+        self._zeros: dict[int, tuple] = {}  # proposal width -> the device zeros a non-host round passes
         self.history = [np.zeros(0, np.int32)] * self.B
 
     def _program(self, w: int, mode, window):
@@ -68,9 +69,17 @@ class SD(Method):
         )  # fmt: skip
 
     def _round_args(self, live, host_toks, host_n):
+        """The round's arguments; host proposals uploaded (n-gram), else zeros kept on the device."""
         dparams = self.draft.params if self.draft is not None else None
+        if self.kind == "host":
+            toks, n = self.put(host_toks), self.put(host_n)
+        else:
+            w = host_toks.shape[1]
+            if w not in self._zeros:
+                self._zeros[w] = (self.put(host_toks), self.put(host_n))
+            toks, n = self._zeros[w]
         return (self.model.params, self.tcache, dparams, self.dcache, self.rows, self.catch, self.active(live),
-                self.put(host_toks), self.put(host_n))  # fmt: skip
+                toks, n)  # fmt: skip
 
     def compile_rounds(self, windows) -> None:
         off = np.zeros(self.B, bool)
