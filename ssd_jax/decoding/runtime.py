@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
+
 
 from ssd_jax.compile import Compiled
 from ssd_jax.models import llama
@@ -39,19 +41,27 @@ def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSamp
 # --- the engine's AR round: every slot, each row from its own key at its own step
 
 
-def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_filter):
-    """One AR step for every slot; returns (tokens (B,), cache, rows with the new ``cur`` and step)."""
+def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_filter, greedy=False):
+    """One AR step for every slot; returns (tokens (B,), cache, rows with the new ``cur`` and step).
+    ``greedy`` (static): every live row is at temperature 0, so the token is the argmax (no draw)."""
     from ssd_jax.decoding.slots import park
 
-    tok, cache = decode_step(
-        params, cache, rows.cur, rows.key_batch, rows.steps, rows.rs, cfg=cfg, needs_filter=needs_filter
-    )
+    if greedy:
+        h, cache = llama.forward(params, cfg, rows.cur[:, None], cache)
+        tok = jnp.argmax(llama.logits(params, cfg, h[:, 0]), axis=-1).astype(jnp.int32)
+        cache = cache.with_lengths(cache.lengths + 1)
+    else:
+        tok, cache = decode_step(
+            params, cache, rows.cur, rows.key_batch, rows.steps, rows.rs, cfg=cfg, needs_filter=needs_filter
+        )
     return tok, park(cache, active_B), dataclasses.replace(rows, cur=tok, steps=rows.steps + 1)
 
 
 @functools.lru_cache(maxsize=64)
-def ar_round_program(cfg: ModelConfig, needs_filter: bool, window: int | None) -> Compiled:
+def ar_round_program(
+    cfg: ModelConfig, needs_filter: bool, window: int | None, greedy: bool = False
+) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 
-    fn = functools.partial(ar_slot_round, cfg=cfg, needs_filter=needs_filter)
+    fn = functools.partial(ar_slot_round, cfg=cfg, needs_filter=needs_filter, greedy=greedy)
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name=f"ar_round_w{window}")

@@ -74,8 +74,9 @@ def scatter_rows(cache: KVCache, rows: KVCache, slots_R, whole: bool) -> KVCache
 
 
 def prefill_target(
-    params, cache: KVCache, rows: Rows, tokens_RxC, n_valid_R, slots_R, starts_R, new: Rows, *, cfg, whole
-):
+    params, cache: KVCache, rows: Rows, tokens_RxC, n_valid_R, slots_R, starts_R, new: Rows, *, cfg, whole,
+    greedy=False, needs_filter=True,
+):  # fmt: skip
     """Prefill one chunk of R prompts into slots ``slots_R`` (at offsets ``starts_R``), sample each
     row's next token from its own key at step 0, and write the rows' state (``new``, its ``cur`` the
     sampled token). Only the last chunk's token is a prompt's first generated token; earlier chunks'
@@ -85,7 +86,10 @@ def prefill_target(
     h, part = llama.forward(params, cfg, tokens_RxC, part)
     last = jnp.take_along_axis(h, jnp.maximum(n_valid_R - 1, 0)[:, None, None], axis=1)[:, 0]
     lg = llama.logits(params, cfg, last)
-    tok = sample(jax.random.wrap_key_data(new.keys), lg, new.rs, True)
+    if greedy:  # (static) every admitted row at temperature 0: the argmax, no draw
+        tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+    else:
+        tok = sample(jax.random.wrap_key_data(new.keys), lg, new.rs, needs_filter)
     tok = jnp.where(n_valid_R > 0, tok, rows.cur[slots_R])  # a prompt that ended earlier keeps its token
     cache = scatter_rows(cache, part.with_lengths(starts_R + n_valid_R), slots_R, whole)
     new = dataclasses.replace(new, cur=tok, steps=jnp.ones_like(new.steps))
@@ -136,8 +140,10 @@ def windowed(fn, window: int | None, cache_args=(1, 3)):
 
 
 @functools.lru_cache(maxsize=64)
-def target_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
-    fn = functools.partial(prefill_target, cfg=cfg, whole=whole)
+def target_prefill_program(
+    cfg, whole: bool, window: int | None, greedy: bool = False, needs_filter: bool = True
+) -> Compiled:
+    fn = functools.partial(prefill_target, cfg=cfg, whole=whole, greedy=greedy, needs_filter=needs_filter)
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="prefill")
 
 

@@ -56,9 +56,11 @@ class Method:
         """Prefill the chunks into the target's rows and write the rows' state; returns the first tokens
         (R,) on the target's mesh."""
         new_d = jax.tree.map(self.put, new)
+        greedy = bool((new.rs.temperature == 0).all())
+        nf = not greedy and bool(((new.rs.top_k > 0) | (new.rs.top_p < 1)).any())
         tok = None
         for c in chunks:
-            prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window))
+            prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window), greedy, nf)
             tok, self.tcache, self.rows = prog(
                 self.model.params, self.tcache, self.rows, self.put(c.tokens), self.put(c.n_valid),
                 self.put(c.slots), self.put(c.starts), new_d,
@@ -86,13 +88,15 @@ class AR(Method):
     def compile_rounds(self, windows) -> None:
         for mode in self.modes:
             for w in windows:
-                prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(w))
+                prog = runtime.ar_round_program(
+                    self.model.cfg, mode.needs_filter, self.window(w), mode.greedy
+                )
                 prog.precompile(
                     self.model.params, self.tcache, self.rows, self.active(np.zeros(self.B, bool))
                 )
 
     def dispatch(self, live, window, mode):
-        prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window))
+        prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window), mode.greedy)
         tok, self.tcache, self.rows = prog(self.model.params, self.tcache, self.rows, self.active(live))
         return tok
 
