@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling.filters import RowSampling, filter_logprobs, is_key_batch
+from ssd_jax.sampling.filters import RowSampling, filter_logprobs, fold_in, is_key_batch
 
 __all__ = [
     "VerifyResult",
@@ -187,6 +187,19 @@ def _uniforms(key: jax.Array, batch: int, n: int) -> jax.Array:
     return jax.random.uniform(key, (batch, n), jnp.float32, lo, 1.0)
 
 
+def _row_uniforms(key: jax.Array, batch: int, k: int, v: int) -> jax.Array:
+    """(batch, k + v) uniforms for ``verify``: with row keys, the k acceptance uniforms and the v of the
+    bonus draw come from two streams of the row's key, so a row's bonus draw does not depend on how many
+    columns its round verifies (an n-gram round with no proposal anywhere verifies none): a seeded row's
+    tokens do not depend on its batch mates."""
+    if not is_key_batch(key):
+        return _uniforms(key, batch, k + v)
+    keys = row_keys(key, batch)
+    acc = _uniforms(fold_in(keys, 0), batch, k)
+    bonus = _uniforms(fold_in(keys, 1), batch, v)
+    return jnp.concatenate([acc, bonus], axis=1)
+
+
 # --------------------------------------------------------------------------- verify
 
 
@@ -255,7 +268,7 @@ def verify(
     if draft_logprobs_BxKxV is not None and draft_logprobs_BxKxV.shape != (B, K, V):
         raise ValueError(f"draft logprobs {draft_logprobs_BxKxV.shape} != {(B, K, V)}")
 
-    u_BxKpV = _uniforms(key, B, K + V)
+    u_BxKpV = _row_uniforms(key, B, K, V)
     n_draft, valid_BxK, s_BxK = _proposals(draft_tokens_BxK, n_draft_B, V)
     sampled_B = rs.temperature > 0
 

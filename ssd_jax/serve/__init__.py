@@ -41,21 +41,18 @@ region lies past the context).
 
 Per-request sampling and seeds
 ------------------------------
-``temperature``, ``top_p`` and ``top_k`` are per row already (``RowSampling``, device arrays),
-and the verifier is exact per row, so each request's distribution is exact whatever shares its
-batch. Offline, a batch draws from ONE key (``sample(fold_in(key, step), ...)``), so a row's
-draws depend on its position in the batch and the batch size. The samplers now also take a
-(B,) batch of row keys (``filters.sample``, ``filters.fold_in``, ``draft_propose``; ``verify``
-already did): the server gives each sequence its own key (from ``seed``, the n-th sample folds
-in n) and its own round counter, so a seeded request draws the same tokens whatever its
-neighbours and slot. Two batch-level choices could still leak between rows, and are fixed so:
-the n-gram round always verifies K columns (offline drops to 0 columns when no row has a
-proposal, which changes the shape of every row's uniforms), and SD's draft "catch-up" step is
-batch-wide (rewrites the row's last context token: the same values, so the same tokens up to
-float rounding of a 2-token vs 1-token step).
+``temperature``, ``top_p`` and ``top_k`` are per row (``RowSampling``, device arrays), and the
+verifier is exact per row, so each request's distribution is exact whatever shares its batch. Each
+sequence has its own key (from ``seed``; the n-th sample folds in n) and its own round counter, in
+the server as offline (the one engine), so a seeded request draws the same tokens whatever its
+neighbours and slot. Batch-level choices that could leak between rows are kept out of the draws:
+the verifier's acceptance and bonus uniforms come from two streams of the row's key (an n-gram
+round that verifies no column draws the same bonus), and SD's draft "catch-up" step is batch-wide
+(it rewrites the row's last context token: the same values, so the same tokens up to float rounding
+of a 2-token vs 1-token step; the same caveat holds for a 1-column vs a K-column verify).
 
-For AR a seeded request equals offline ``generate`` of that prompt alone (batch of one) with
-the same seed: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
+A seeded request equals offline ``generate`` of that prompt with the same seed, alone or in a
+batch: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
 
 ``--k auto`` (the default) is resolved once at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
 measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk), and the

@@ -98,6 +98,9 @@ class SSD(Method):
             mesh=None if pl.single else self.draft.mesh,
         )  # fmt: skip
         self.ctl = Control(k=K, budget=M, batch=B)
+        # the fan-out schedule adapts online to the acceptance seen only with one slot: with more, the
+        # batch's outcomes would steer each row's tree, and a seeded row would depend on its batch mates
+        self.adapts = B == 1
         self.dcache = jax.tree.map(self.dput, llama.init_cache(self.draft.cfg, B, self.max_len + M * K))
         self.drows = self.rows if self.fused else jax.tree.map(self.dput, Rows.empty(B))
         q = None if not self.carry_q else np.full((B, K, self.model.cfg.vocab_size), -np.inf, np.float32)
@@ -296,7 +299,8 @@ class SSD(Method):
         self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
         if "host" in self.kinds and not host_known:
             self._extend_history(out_h, live)
-        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+        if self.adapts:
+            self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
         return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0)
 
     def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
@@ -318,7 +322,8 @@ class SSD(Method):
         if not lv.any():
             return
         fan_rows = rnd.sched[np.where(post_miss, 1 + n_draft_h, 0)]
-        self.est.observe(n_acc[lv], n_draft_h[lv], hit_h[lv], fan_rows[lv], post_miss[lv])
+        if self.adapts:
+            self.est.observe(n_acc[lv], n_draft_h[lv], hit_h[lv], fan_rows[lv], post_miss[lv])
         st.batch_all_hit[0] += int(hit_h[lv].all())
         st.batch_all_hit[1] += 1
         means.add("p_hit", float(hit_h[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
