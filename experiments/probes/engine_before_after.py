@@ -106,12 +106,22 @@ def main() -> None:
                     calls.append({"version": v, "method": m, "category": c, "batch": b, "prompt": i, "repeat": rep,
                                   "load": os.getloadavg()[0], **r})  # fmt: skip
         print(f"repeat {rep + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+        _dump(a, conf, workers, calls)  # each repeat on disk, so a stopped run keeps what it measured
     for rep in range(a.tiny_repeats):
         for m in ("tiny_ar", "tiny_sd"):
             for v in rng.sample(list(workers), 2):
                 calls.append({"version": v, "method": m, "repeat": rep, **workers[v]({"method": m})})
-    with open(a.out, "w") as f:
-        json.dump({"pair": a.pair, "conf": conf, "trees": {k: w.file for k, w in workers.items()}, "calls": calls}, f)
+    _dump(a, conf, workers, calls)
+
+
+def _dump(a, conf, workers, calls) -> None:
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(
+            {"pair": a.pair, "conf": conf, "trees": {k: w.file for k, w in workers.items()}, "calls": calls},
+            f,
+        )
+    os.replace(tmp, a.out)
 
 
 if __name__ == "__main__":

@@ -46,15 +46,23 @@ def report(path: str) -> str:
                 b = mean_ci([v["before"][field] for v in pairs.values()])[0]
                 a = mean_ci([v["after"][field] for v in pairs.values()])[0]
                 ratios = clustered(
-                    (((k[2], k[3]), v["after"][field] / v["before"][field]) for k, v in pairs.items()), log=True
+                    (((k[2], k[3]), v["after"][field] / v["before"][field]) for k, v in pairs.items()),
+                    log=True,
                 )
                 row += [f"{b:.2f} → {a:.2f}", _fmt(ratio_ci(ratios))]
             loads = [v[x]["load"] for v in pairs.values() for x in ("before", "after")]
             row.append(f"{min(loads):.1f}-{max(loads):.1f}")
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "| tiny model, batch 1 | before, ms [95% CI] | after, ms [95% CI] | after / before |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| tiny model, batch 1 | before, ms [95% CI] | after, ms [95% CI] | after / before |",
+        "|---|---|---|---|",
+    ]
     for method, name in (("tiny_ar", "host cost per AR step"), ("tiny_sd", "host cost per SD round")):
-        per = {v: [c["s_per_step"] * 1e3 for c in calls if c["method"] == method and c["version"] == v] for v in ("before", "after")}
+        per = {
+            v: [c["s_per_step"] * 1e3 for c in calls if c["method"] == method and c["version"] == v]
+            for v in ("before", "after")
+        }
         if not per["before"]:
             continue
         b, a = mean_ci(per["before"]), mean_ci(per["after"])

@@ -12,7 +12,6 @@ generation loop can never recompile behind the user's back.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -42,7 +41,7 @@ def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSamp
 
 
 def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_filter, greedy=False):
-    """One AR step for every slot; returns (tokens (B,), cache, rows with the new ``cur`` and step).
+    """One AR step for every slot; returns (tokens (B,), cache, the rows' new steps).
     ``greedy`` (static): every live row is at temperature 0, so the token is the argmax (no draw)."""
     from ssd_jax.decoding.slots import park
 
@@ -54,7 +53,7 @@ def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_
         tok, cache = decode_step(
             params, cache, rows.cur, rows.key_batch, rows.steps, rows.rs, cfg=cfg, needs_filter=needs_filter
         )
-    return tok, park(cache, active_B), dataclasses.replace(rows, cur=tok, steps=rows.steps + 1)
+    return tok, park(cache, active_B), rows.steps + 1  # the rows' new cur is ``tok``
 
 
 @functools.lru_cache(maxsize=64)

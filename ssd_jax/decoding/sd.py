@@ -26,7 +26,6 @@ back (:mod:`ssd_jax.decoding.sd_two_mesh`); same keys as :func:`sd_round`, so th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -161,7 +160,7 @@ def sd_slot_round(
     tparams, tcache, dparams, dcache, rows, catch_up, active_B, host_tokens_BxK, host_n_B, **kw
 ):
     """:func:`sd_round` over the engine's slots: each row from its own key at its own step, free slots
-    parked. Returns (emitted (B, K+2), tcache, dcache, rows (new cur, prev, step), catch-up flag)."""
+    parked. Returns (emitted (B, K+2), tcache, dcache, the rows' new (cur, prev, step), catch-up flag)."""
     from ssd_jax.decoding.slots import park
 
     out, n_draft, tcache, dcache, cur, prev, _, _ = sd_round(
@@ -169,8 +168,8 @@ def sd_slot_round(
         host_tokens_BxK, host_n_B, **kw,
     )  # fmt: skip
     catch = jnp.any((out[:, -1] >= n_draft) & active_B)  # a live row accepted all: the draft catches up
-    rows = dataclasses.replace(rows, cur=cur, prev=prev, steps=rows.steps + 1)
-    return out, park(tcache, active_B), park(dcache, active_B), rows, catch
+    # only the rows' fields that change come back (each output is a buffer the host wraps every round)
+    return out, park(tcache, active_B), park(dcache, active_B), (cur, prev, rows.steps + 1), catch
 
 
 @functools.lru_cache(maxsize=128)

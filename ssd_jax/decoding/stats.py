@@ -26,6 +26,7 @@ class AcceptanceStats:
         self.row_drafted = np.zeros(batch, np.int64)
         self.row_accepted = np.zeros(batch, np.int64)
         self._rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        self._j = np.arange(k)[None, :]
 
     @property
     def n_rounds(self) -> int:
@@ -41,12 +42,12 @@ class AcceptanceStats:
         self._rounds.append((live.copy(), n_acc.astype(np.int64), None if hit is None else hit.astype(bool)))
         k_l, nd_l = n_acc[live], n_draft[live]
         self.hist += np.bincount(k_l, minlength=self.k + 1)
-        j = np.arange(self.k)[None, :]
+        j = self._j
         self.pos_reached += ((j <= k_l[:, None]) & (j < nd_l[:, None])).sum(0)
         self.pos_accepted += (j < k_l[:, None]).sum(0)
         self.row_rounds += live
-        self.row_drafted += np.where(live, n_draft, 0)
-        self.row_accepted += np.where(live, n_acc, 0)
+        self.row_drafted += n_draft * live
+        self.row_accepted += n_acc * live
 
     def row_metrics(self, b: int) -> dict:
         r, d, a = self.row_rounds[b], self.row_drafted[b], self.row_accepted[b]

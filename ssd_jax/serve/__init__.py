@@ -54,27 +54,25 @@ of a 2-token vs 1-token step; the same caveat holds for a 1-column vs a K-column
 A seeded request equals offline ``generate`` of that prompt with the same seed, alone or in a
 batch: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
 
-``--k auto`` (the default) is resolved once at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
-measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk), and the
-server then runs that K for every round.
+``--k auto`` (the default) is resolved at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
+measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk); SD on one
+device then re-chooses K every round from the acceptance seen so far, as offline.
 
 SSD over HTTP
 -------------
-``--method ssd`` runs both models on one device (the offline single-device mode, one compiled call
-per round) with the neural backup. Each slot's speculation (K tokens, and the K draft
-distributions q when its row samples) stays on the device between rounds; a sequence gets its
-first speculation at admission (K draft steps from its first token, one call on its row). Rows
-draw the tree's tokens, the backup's and the verifier's uniforms from their own keys
-(``filters.split`` / ``categorical`` / ``fold_in`` take row keys), and the fan-out schedule is
-fixed at the estimator's prior rather than adapted online to the batch's acceptance (offline
-adapts it), so a seeded SSD request does not depend on its neighbours either. A round whose
-running rows are all greedy runs the greedy program (no q: argmax drafting, as offline); a row
-that samples switches the batch to the sampling program, where the greedy rows' speculations
-are verified by the point-mass rule (q = -inf everywhere), exact for any proposal. Cache
-lookups and hits are counted in ``/metrics`` (``spec_decode_num_cache_lookups`` / ``_hits``).
-Not here: the two-mesh SSD (``--target-devices`` / ``--draft-devices``) and the n-gram / auto
-backups.
+``--method ssd`` runs the offline SSD: both models on one device (one compiled call per round), or
+with ``--target-devices 1 --draft-devices 1`` the draft on a device of its own (the tree build
+overlaps the verify), with any backup (``--backup neural|random|ngram|auto``). Each slot's
+speculation (K tokens, and the K draft distributions q) stays on the device between rounds; a
+sequence gets its first speculation at admission. Rows draw the tree's tokens, the backup's and the
+verifier's uniforms from their own keys, and with more than one slot the fan-out schedule stays at
+the estimator's prior rather than adapting to the batch's acceptance, so a seeded SSD request does
+not depend on its neighbours (``--backup auto`` is the exception: it chooses the backup per round
+from the batch). The server's rounds carry q whatever the rows' temperatures; a greedy row's
+verification is argmax matching either way. Cache lookups and hits are counted in ``/metrics``
+(``spec_decode_num_cache_lookups`` / ``_hits``).
 
-Not here yet: the host still waits for each round before queueing the next (the offline loops
-overlap them).
+The host queues round T+1 before reading round T wherever the method allows (not n-gram rounds,
+which need round T's tokens), as offline. The server runs in one process: a ``jax.distributed``
+launch is refused at start-up.
 """

@@ -19,7 +19,14 @@ def build_method(model, spec, modes, load, trace=None):
 
         drafter = make_drafter(spec, model, SamplingParams(temperature=1.0, top_k=1), load)
         if drafter.kind == "model" and spans:  # a draft model on a mesh of its own
+            from ssd_jax.errors import UserError
             from ssd_jax.parallel.placement import place
+
+            if spec.profile_stages:
+                raise UserError(
+                    "--profile-stages times SD's stages on one device; with --target-devices / --draft-devices "
+                    "each round is one draft call and one target call (use SSD's --trace for a timeline)"
+                )
 
             return sd.SDTwoMeshes(place(model, drafter.model, spec), modes, spec, drafter)
         return (sd.SDProfiled if spec.profile_stages else sd.SD)(model, modes, spec, drafter)

@@ -3,6 +3,7 @@ by chunked prefill), the sampling mode of a round, and the AR method itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -97,7 +98,8 @@ class AR(Method):
 
     def dispatch(self, live, window, mode):
         prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window), mode.greedy)
-        tok, self.tcache, self.rows = prog(self.model.params, self.tcache, self.rows, self.active(live))
+        tok, self.tcache, steps = prog(self.model.params, self.tcache, self.rows, self.active(live))
+        self.rows = dataclasses.replace(self.rows, cur=tok, steps=steps)
         return tok
 
     def read(self, tok, live, fresh) -> RoundOut:

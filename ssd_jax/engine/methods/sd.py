@@ -57,9 +57,18 @@ class SD(Method):
         self.dcache = cache_for(self.draft, self.B, self.max_len) if self.draft is not None else None
         self.catch = self.put(np.bool_(False))
         self._zeros: dict[int, tuple] = {}  # proposal width -> the device zeros a non-host round passes
+        self._progs: dict = {}
+        self._full = {k: np.full(self.B, k, np.int32) for k in self.widths}
         self.history = [np.zeros(0, np.int32)] * self.B
 
     def _program(self, w: int, mode, window):
+        key = (w, mode, window)
+        prog = self._progs.get(key)  # a dict lookup per round, not a hash of both model configs
+        if prog is None:
+            prog = self._progs[key] = self._build_program(w, mode, window)
+        return prog
+
+    def _build_program(self, w: int, mode, window):
         dcfg = self.draft.cfg if self.draft is not None else None
         rand_vocab = getattr(self.drafter, "vocab", self.model.cfg.vocab_size)
         nf = mode.needs_filter and not mode.greedy
@@ -126,15 +135,16 @@ class SD(Method):
         else:
             w, toks, n_h = k, np.zeros((self.B, k), np.int32), None
         hn = n_h if n_h is not None else np.zeros(self.B, np.int32)
-        out, self.tcache, self.dcache, self.rows, self.catch = self._program(w, mode, window)(
+        out, self.tcache, self.dcache, (cur, prev, steps), self.catch = self._program(w, mode, window)(
             *self._round_args(live, toks[:, :w], hn)
         )
+        self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         return SDRound(out, k, n_h, live)
 
     def read(self, rnd: SDRound, live, fresh) -> RoundOut:
         host = np.asarray(rnd.out)
         emitted, n_acc = host[:, :-1], host[:, -1]
-        n_draft = rnd.n_draft if rnd.n_draft is not None else np.full(self.B, rnd.k, np.int32)
+        n_draft = rnd.n_draft if rnd.n_draft is not None else self._full[rnd.k]
         if self.sched is not None:
             self.sched.update(rnd.k, live, n_acc, n_draft)
         if self.kind == "host":
