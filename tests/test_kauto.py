@@ -113,7 +113,13 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
         set(c.metrics["k_rounds"]) <= {"1", "2", "4", "8"}
         and sum(c.metrics["k_rounds"].values()) == c.metrics["verify_steps"]
     )
-    assert len(c.metrics["acceptance_histogram"]) == 8 + 1  # up to the largest candidate K
+    # up to the largest K the plan can choose at some acceptance (only those are compiled)
+    from ssd_jax.analysis.kchoice import KPlan
+
+    plan = KPlan.from_costs(c.metrics["k_auto"]["alpha"], rec["costs"], c.metrics["k"])
+    reachable = {plan.choose(a) for a in np.linspace(0.0, 1.0, 101)} | {c.metrics["k"]}
+    assert len(c.metrics["acceptance_histogram"]) == max(reachable) + 1
+    assert {int(k) for k in c.metrics["k_rounds"]} <= reachable
     # a forced re-calibration measures again
     monkeypatch.setenv("SSD_JAX_KAUTO_RECALIBRATE", "1")
     assert generate(target, PROMPTS, sp, spec).metrics["k_auto"]["source"] == "measured"

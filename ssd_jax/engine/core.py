@@ -79,8 +79,9 @@ class Mode:
         return Mode(greedy, not greedy and any(s.needs_filter for s in sp))
 
 
-#: every mode a server may meet
-ALL_MODES = (Mode(True, False), Mode(False, False), Mode(False, True))
+#: the modes a server compiles: greedy, and sampling with the filter (a round whose rows sample without
+#: top-k / top-p runs the filtering program, which leaves their distributions unchanged)
+ALL_MODES = (Mode(True, False), Mode(False, True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,8 @@ class Engine:
         live = np.array([s is not None and not s.row.done for s in seqs])
         need = max(s.context for s in seqs if s is not None) + (in_flight + 1) * self.extra_slots + 1
         mode = Mode.of(seqs[b].sampling for b in np.flatnonzero(live))
+        if mode not in self.method.modes:  # exact: the filter leaves unfiltered rows unchanged
+            mode = Mode(mode.greedy, True)
         return Pending(self.method.dispatch(live, self._window(need), mode), seqs)
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:

@@ -47,7 +47,8 @@ class SD(Method):
         self.K = int(spec.k)
         plan = spec.k_plan if self.kind != "random" else None
         self.sched = OnlineK(plan, self.K) if plan is not None else None
-        ks = {self.K, *(plan.ks if plan is not None else ())}
+        # the Ks the plan can pick at some acceptance (programs for the others would never run)
+        ks = {self.K} | ({plan.choose(a) for a in np.linspace(0.0, 1.0, 101)} if plan is not None else set())
         self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
         self.k_max = max(self.widths)
         self.extra_slots = self.k_max + 1
