@@ -1,4 +1,5 @@
-"""Speculative decoding (SD): the round loop, ragged over the batch, and its accounting.
+"""Speculative decoding (SD): the compiled round, ragged over the batch (the engine drives it:
+:mod:`ssd_jax.engine.methods.sd`).
 
 State between rounds, per row: the committed context (prompt + emitted tokens, all in the
 target cache) and ``cur``, the last emitted token, which no cache holds yet. One round:

@@ -2,7 +2,7 @@
 
 How continuous batching maps onto the engine
 --------------------------------------------
-The server owns ONE static batch of ``max_batch`` slots, the same shape the offline loops run:
+The server owns ONE static batch of ``max_batch`` slots of the one engine that ``generate()`` runs:
 a target KV cache ``(B, S)`` (and a draft cache for a draft model) with ``S = --max-model-len``
 slots per row. A slot holds one sequence (an API request with ``n > 1`` holds ``n`` slots).
 One host thread (:class:`~ssd_jax.serve.engine.ServingEngine`, stepping the one engine :class:`ssd_jax.engine.core.Engine` that ``generate()`` also runs) runs rounds:

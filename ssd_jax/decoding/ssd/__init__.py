@@ -76,7 +76,7 @@ the overlap of ``build`` with ``verify`` is reported as ``overlap_fraction``. Wi
 stage times are null and ``calls_per_round`` / ``round_s`` are reported.
 
 Layout: :mod:`.tree` (device functions), :mod:`.rounds` (the compiled round programs),
-:mod:`.fanout` (schedules and estimators), :mod:`.backup` (backup policy), :mod:`.loop` (the
-round loop); Saguaro sampling is :mod:`ssd_jax.sampling.saguaro`, placement
+:mod:`.fanout` (schedules and estimators), :mod:`.backup` (backup policy), :mod:`.host` (layouts,
+trace lanes, stage times; the round loop is the engine's, :mod:`ssd_jax.engine.methods.ssd`); Saguaro sampling is :mod:`ssd_jax.sampling.saguaro`, placement
 :mod:`ssd_jax.parallel.placement`.
 """
