@@ -52,7 +52,11 @@ def test_fewer_slots_than_sequences_and_late_arrivals(pair, method):
     assert engine.running == 0 and not engine.waiting
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "ngram", "ssd"])
+# SD and SSD are slow-set here: by default test_serve's 32 concurrent requests check the same rule for them
+@pytest.mark.parametrize(
+    "method",
+    ["ar", "ngram", pytest.param("sd", marks=pytest.mark.slow), pytest.param("ssd", marks=pytest.mark.slow)],
+)
 def test_a_seeded_row_ignores_its_batch(pair, method):
     """Sampled, seeded: a prompt's samples are the same alone and beside other prompts (each row has its
     own key; offline as in the server)."""
