@@ -118,21 +118,27 @@ class SD(Method):
     def queues_ahead(self) -> bool:
         return self.kind != "host"  # n-gram lookups need the round's tokens
 
+    def ngram(self, live, k: int):
+        """The live rows' n-gram proposals (tokens, counts) and the columns the round verifies: k, or 0
+        when no live row has one (that round is one target step)."""
+        toks, n_h = ngram_proposals(
+            self.history,
+            k,
+            self.spec.prompt_lookup_min,
+            self.spec.prompt_lookup_max,
+            rows=np.flatnonzero(live),
+        )
+        w = host_width(n_h, live, k)
+        self.empty_rounds += w == 0
+        return toks, n_h, w
+
     def next_k(self) -> int:
         return self.sched.k if self.sched is not None else self.K
 
     def dispatch(self, live, window, mode) -> SDRound:
         k = self.next_k()
         if self.kind == "host":
-            toks, n_h = ngram_proposals(
-                self.history,
-                k,
-                self.spec.prompt_lookup_min,
-                self.spec.prompt_lookup_max,
-                rows=np.flatnonzero(live),
-            )
-            w = host_width(n_h, live, k)
-            self.empty_rounds += w == 0
+            toks, n_h, w = self.ngram(live, k)
         else:
             w, toks, n_h = k, np.zeros((self.B, k), np.int32), None
         hn = n_h if n_h is not None else np.zeros(self.B, np.int32)
@@ -199,15 +205,7 @@ class SDProfiled(SD):
             from ssd_jax.drafters.random import random_tokens
 
             return random_tokens(kd, self.B, k, self.drafter.vocab), np.full(self.B, k, np.int32), None
-        toks, n_h = ngram_proposals(
-            self.history,
-            k,
-            self.spec.prompt_lookup_min,
-            self.spec.prompt_lookup_max,
-            rows=np.flatnonzero(live),
-        )
-        w = host_width(n_h, live, k)
-        self.empty_rounds += w == 0
+        toks, n_h, w = self.ngram(live, k)
         return self.put(toks[:, :w]), n_h, None
 
     def dispatch(self, live, window, mode) -> SDRound:
