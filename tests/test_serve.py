@@ -154,15 +154,19 @@ def servers(pair):
         assert "windows=80,160" in err
 
 
+plain_lp: list = []  # the offline AR log-probabilities of ``offline``'s plain answers (filled by it)
+
+
 @pytest.fixture(scope="module")
 def offline(pair):
     """Offline ``ssd_jax.generate`` (AR): greedy ids per prompt, a chat answer, and a seeded sample."""
     from ssd_jax import SamplingParams, generate, load_model
 
     model = load_model(pair[0])
-    res = generate(model, PROMPTS, SamplingParams(max_new_tokens=max(MAX_TOKENS)))
+    res = generate(model, PROMPTS, SamplingParams(max_new_tokens=max(MAX_TOKENS), logprobs=2))
     plain = [o["token_ids"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
-    chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12), chat=True).outputs[0]
+    plain_lp[:] = [o["logprobs"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
+    chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12, logprobs=3), chat=True).outputs[0]
     seeded = generate(
         model, [PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)
     ).outputs[0]
@@ -213,6 +217,11 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     for p, m, ref in zip(PROMPTS[:4], MAX_TOKENS, offline[0]):
         r = c.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0)
         assert r.choices[0].model_extra["token_ids"] == ref
+    # the target's log-probabilities of the tokens, as offline AR gives them
+    r = c.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0, logprobs=2
+    )
+    assert r.choices[0].logprobs.token_logprobs == pytest.approx([lp for lp, _ in plain_lp[0]], abs=1e-4)
     s = c.completions.create(
         model=NAME, prompt=PROMPTS[4], max_tokens=MAX_TOKENS[4], temperature=0, stream=True
     )
@@ -236,7 +245,7 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     )
     # a row's round emits accepted + 1 tokens; the first token of each request comes from its prefill
     # (the last round of a request may emit more than its max_tokens leave: those are dropped)
-    n_req, gen = 6, d["ssd_jax:generation_tokens_total"]
+    n_req, gen = 7, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
     if method == "ssd":
         assert drafted == 2 * drafts  # K = 2 proposals every round: from the cache or the backup
@@ -347,6 +356,83 @@ def test_disconnect_frees_slot_and_metrics_add_up(servers):
     assert d["ssd_jax:e2e_request_latency_seconds_count"] == 2
     assert d["ssd_jax:time_to_first_token_seconds_count"] == 2
     assert after["ssd_jax:num_requests_running"] == 0 and after["ssd_jax:num_requests_waiting"] == 0
+
+
+def test_what_clients_send(servers, offline):
+    """As SDKs and benchmark clients send it: chat content as typed text parts (the answer of the plain
+    string), logprobs in the chat and completions formats (offline AR's numbers, streamed or not), usage
+    in every chunk with continuous_usage_stats, max_completion_tokens; an image part, an option that
+    would change the output, and min_tokens above max_tokens get 400 naming the field."""
+    _, chat, _ = offline
+    c = client(servers["ar"])
+    parts = [{"role": "user", "content": [{"type": "text", "text": PROMPTS[0]}]}]
+    r = c.chat.completions.create(
+        model=NAME, messages=parts, max_completion_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    assert r.choices[0].model_extra["token_ids"] == chat["token_ids"]
+    content = r.choices[0].logprobs.content
+    assert [x.logprob for x in content] == pytest.approx([lp for lp, _ in chat["logprobs"]], abs=1e-4)
+    assert [[t.logprob for t in x.top_logprobs] for x in content] == [
+        pytest.approx([v for _, v in top], abs=1e-4) for _, top in chat["logprobs"]
+    ]
+    assert len(content) == len(chat["token_ids"]) and all(isinstance(x.token, str) for x in content)
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS[0], temperature=0, logprobs=2)
+    whole = c.completions.create(**kw).choices[0].logprobs
+    assert whole.token_logprobs == pytest.approx([lp for lp, _ in plain_lp[0]], abs=1e-4)
+    assert all(len(d) <= 3 for d in whole.top_logprobs) and whole.text_offset[0] == 0
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(c.completions.create(**kw, stream=True, stream_options=opts))
+    streamed = [
+        x
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for x in ch.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(whole.token_logprobs, abs=1e-6)
+    used = [ch.usage.completion_tokens for ch in chunks if ch.choices]
+    assert used == sorted(used) and used[-1] == MAX_TOKENS[0] == chunks[-1].usage.completion_tokens
+    bad = [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "image_url",
+        ),
+        ({"messages": parts, "frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"messages": parts, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"messages": parts, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": parts, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ]
+    for body, field in bad:
+        r = httpx.post(servers["ar"] + "/v1/chat/completions", json={"model": NAME, **body}, timeout=30)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_api_key(pair):
+    """With an API key the /v1 routes answer 401 (OpenAI's error object) unless the request carries it;
+    /health and /metrics stay open. In-process (FastAPI's TestClient), AR on the tiny pair."""
+    from fastapi.testclient import TestClient
+
+    from ssd_jax import load_model
+    from ssd_jax.decoding.spec import SpecConfig
+    from ssd_jax.engine.core import ALL_MODES, Engine
+    from ssd_jax.engine.methods import build_method
+    from ssd_jax.serve.app import build_app
+    from ssd_jax.serve.engine import ServingEngine
+    from ssd_jax.serve.metrics import Metrics
+
+    m = Metrics(0)
+    method = build_method(load_model(pair[0]), SpecConfig(method="ar"), ALL_MODES, load_model)
+    engine = ServingEngine(
+        Engine(method, max_batch=1, max_len=64, prefill_chunk=16, metrics=m, admit_together=False)
+    )
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+    with TestClient(build_app(engine, NAME, m, api_key="s3cret")) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401
+        r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
 def test_bad_requests_get_400_and_full_queue_429(servers):

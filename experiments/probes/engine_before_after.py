@@ -39,7 +39,8 @@ target_name, draft_name, k_sd, k_ssd, m_ssd, dtype, new = json.loads(sys.argv[1]
 target, draft = load_model(target_name), load_model(draft_name)
 kw = dict(draft=draft, draft_vocab=None, draft_dtype=dtype)
 specs = {"ar": SpecConfig(), "sd": SpecConfig(method="sd", k=k_sd, **kw),
-         "ssd": SpecConfig(method="ssd", k=k_ssd, fan_out_budget=m_ssd, backup="neural", **kw)}
+         "ssd": SpecConfig(method="ssd", k=k_ssd, fan_out_budget=m_ssd, backup="neural", **kw),
+         "sd_prof": SpecConfig(method="sd", k=k_sd, profile_stages=True, **kw)}
 from test_sd import tiny_model
 tiny, tiny_d = tiny_model(0), tiny_model(1, scale=0.16)
 tiny_specs = {"tiny_ar": SpecConfig(), "tiny_sd": SpecConfig(method="sd", draft=tiny_d, k=3, draft_vocab=None, draft_dtype=None)}
@@ -56,7 +57,9 @@ for line in sys.stdin:
     ps = prompts[cmd["category"]]
     batch = ps if cmd["batch"] == 8 else [ps[cmd["prompt"]]]
     m = generate(target, batch, sp, specs[cmd["method"]], chat=True).metrics
-    print(json.dumps({k: m[k] for k in ("decode_tokens_per_s", "tokens_per_s", "generated_tokens", "compile_s")}), flush=True)
+    keys = ("decode_tokens_per_s", "tokens_per_s", "generated_tokens", "compile_s", "ttft_s", "verify_steps",
+            "draft_s", "verify_s", "sample_s")
+    print(json.dumps({k: m[k] for k in keys if k in m}), flush=True)
 """
 
 
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--tiny-repeats", type=int, default=40)
+    ap.add_argument("--methods", nargs="+", default=["ar", "sd", "ssd"], help="sd_prof: SD stage by stage")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     t, d, k_sd, (k_ssd, m_ssd), dtype = PAIRS[a.pair]
@@ -95,11 +99,11 @@ def main() -> None:
     units = [(c, b, i) for c in a.categories for b in a.batches for i in (range(8) if b == 1 else [0])]
     for w in workers.values():  # compile every shape once, untimed
         for c, b, i in {(c, b, 0) for c, b, _ in units}:
-            for m in ("ar", "sd", "ssd"):
+            for m in a.methods:
                 w({"method": m, "category": c, "batch": b, "prompt": i})
     for rep in range(a.repeats):
         for c, b, i in units:
-            for m in ("ar", "sd", "ssd"):
+            for m in a.methods:
                 order = rng.sample(list(workers), 2)
                 for v in order:
                     r = workers[v]({"method": m, "category": c, "batch": b, "prompt": i})

@@ -156,8 +156,9 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: f
     start = time.perf_counter()
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
+        # as SDK-based benchmark clients send it: content as a list of parts, max_completion_tokens
+        "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        "max_completion_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -97,6 +97,7 @@ class RowState:
         self._emitted = 0  # characters handed to the streaming callback
         self._prefix = 0  # tokens[_prefix:_read] decode to the tail of ``text`` (the re-decoding window)
         self._read = 0
+        self._stop_from = 0 if sampling.min_tokens == 0 else None  # stop strings count from here (min_tokens)
 
     def push(self, tok: int) -> str:
         """Add one generated token; returns newly printable text (for streaming)."""
@@ -116,8 +117,10 @@ class RowState:
             start = len(self.text)
             self.text += window[len(before) :]
             self._prefix, self._read = max(self._read - 4, 0), len(self.tokens)
-            if self._max_stop:
-                tail = self.text[max(0, start - self._max_stop + 1) :]
+            if self._stop_from is None and len(self.tokens) >= self._sp.min_tokens:
+                self._stop_from = start  # stop strings count from the min_tokens-th token's text on
+            if self._max_stop and self._stop_from is not None:
+                tail = self.text[max(self._stop_from, start - self._max_stop + 1) :]
                 if any(s in tail for s in self._sp.stop):
                     self.done, self.finish_reason = True, "stop"
         if self.done:
@@ -130,7 +133,7 @@ class RowState:
         """The final text: the full decode, cut before the first stop string (once per row)."""
         text = self._tok.decode(self.tokens, skip_special_tokens=True)
         for s in self._sp.stop:
-            i = text.find(s)
+            i = -1 if self._stop_from is None else text.find(s, self._stop_from)
             if i >= 0:
                 text = text[:i]
                 self.finish_reason = "stop"

@@ -22,38 +22,27 @@ from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.llama import KVCache
 from ssd_jax.models.params import Params
-from ssd_jax.sampling.filters import RowSampling, fold_in, sample
-
-
-# --- the AR steps ---------------------------------------------------------------------
-
-
-def decode_step(params: Params, cache: KVCache, tokens_B, key, step, rs: RowSampling, *, cfg, needs_filter):
-    """Append one token per row and sample the next one. ``key``, ``step``: one key and step, or per row
-    (a (B,) batch of row keys and (B,) steps)."""
-    h, cache = llama.forward(params, cfg, tokens_B[:, None], cache)
-    lg = llama.logits(params, cfg, h[:, 0])
-    tok = sample(fold_in(key, step), lg, rs, needs_filter)
-    return tok, cache.with_lengths(cache.lengths + 1)
-
-
-# --- the engine's AR round: every slot, each row from its own key at its own step
+from ssd_jax.sampling.filters import fold_in, sample
+from ssd_jax.sampling.logprobs import apply_min_tokens, columns_if_wanted
 
 
 def ar_slot_round(params: Params, cache: KVCache, rows, active_B, *, cfg, needs_filter, greedy=False):
-    """One AR step for every slot; returns (tokens (B,), cache, the rows' new steps).
+    """One AR step for every slot, each row from its own key at its own step (EOS banned before a row's
+    ``min_tokens``). Returns (host array (B, 1 + log-probability columns): the tokens, then what
+    :func:`~ssd_jax.sampling.logprobs.columns_if_wanted` gives; tokens (B,); cache; the rows' new steps).
     ``greedy`` (static): every live row is at temperature 0, so the token is the argmax (no draw)."""
     from ssd_jax.decoding.slots import park
 
+    h, cache = llama.forward(params, cfg, rows.cur[:, None], cache)
+    raw = llama.logits(params, cfg, h)  # (B, 1, V)
+    lg = apply_min_tokens(raw, cache.lengths[:, None] + 1, rows.rs)[:, 0]  # cur sits at the old length
     if greedy:
-        h, cache = llama.forward(params, cfg, rows.cur[:, None], cache)
-        tok = jnp.argmax(llama.logits(params, cfg, h[:, 0]), axis=-1).astype(jnp.int32)
-        cache = cache.with_lengths(cache.lengths + 1)
+        tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)
     else:
-        tok, cache = decode_step(
-            params, cache, rows.cur, rows.key_batch, rows.steps, rows.rs, cfg=cfg, needs_filter=needs_filter
-        )
-    return tok, park(cache, active_B), rows.steps + 1  # the rows' new cur is ``tok``
+        tok = sample(fold_in(rows.key_batch, rows.steps), lg, rows.rs, needs_filter)
+    out = jnp.concatenate([tok[:, None], columns_if_wanted(raw, tok[:, None], rows.rs)], axis=1)
+    cache = cache.with_lengths(cache.lengths + 1)
+    return out, tok, park(cache, active_B), rows.steps + 1  # the rows' new cur is ``tok``
 
 
 @functools.lru_cache(maxsize=64)

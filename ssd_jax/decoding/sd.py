@@ -38,6 +38,7 @@ from ssd_jax.drafters.model import draft_propose
 from ssd_jax.drafters.random import random_tokens
 from ssd_jax.models import llama
 from ssd_jax.sampling.filters import fold_in
+from ssd_jax.sampling.logprobs import apply_min_tokens, columns_if_wanted
 from ssd_jax.sampling.rejection import emitted_tokens, verify, verify_greedy
 
 
@@ -58,8 +59,13 @@ def target_score(params, cache, cur_B, draft_BxK, *, cfg):
 def accept_step(
     key, step, logits, draft_BxK, n_draft_B, q, rs, lengths_B, cur_B, *, needs_filter, greedy=False
 ):
-    """Rejection sampling + the per-row state update; returns what the host and next round need.
+    """Rejection sampling + the per-row state update; returns what the host and next round need:
+    (emitted (B, K+1), n_accepted, new lengths twice, prev, next cur, the emitted tokens' log-probability
+    columns (:func:`~ssd_jax.sampling.logprobs.columns_if_wanted`)). The target's logits get the
+    ``min_tokens`` ban first (column j predicts position ``length + 1 + j``).
     ``greedy`` (static): every row is greedy, so only the argmax matching runs (the same outcome)."""
+    raw = logits
+    logits = apply_min_tokens(logits, lengths_B[:, None] + 1 + jnp.arange(logits.shape[1]), rs)
     if greedy:
         res = verify_greedy(logits, draft_BxK, n_draft_B)
     else:
@@ -72,8 +78,10 @@ def accept_step(
             n > 0, jnp.take_along_axis(draft_BxK, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], cur_B
         )
     new_len = lengths_B + 1 + n
+    emitted = emitted_tokens(draft_BxK, res)
+    lpc = columns_if_wanted(raw, emitted, rs)
     # two output buffers: the target's and the draft's caches are donated separately
-    return emitted_tokens(draft_BxK, res), n, new_len, new_len + 0, prev, res.next_token
+    return emitted, n, new_len, new_len + 0, prev, res.next_token, lpc
 
 
 def sd_round(
@@ -111,8 +119,8 @@ def sd_round(
     a (B,) batch of row keys and per-row steps (the server: each request draws from its own stream;
     not with ``kind="random"``).
 
-    Returns (emitted (B, K+2): the round's tokens then n_accepted in the last column, n_draft,
-    tcache, dcache, cur, prev, catch_up, step + 1).
+    Returns (host array (B, K+2+P): the round's tokens, n_accepted, then the P log-probability columns;
+    n_draft, tcache, dcache, cur, prev, catch_up, step + 1).
     """
     B = cur_B.shape[0]
     kdraft, kverify = fold_in(key, 1), fold_in(key, 2)
@@ -137,7 +145,7 @@ def sd_round(
     else:
         tokens, n_draft = host_tokens_BxK, host_n_B
     logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
-    emitted, n, new_len, _, prev, cur = accept_step(
+    emitted, n, new_len, _, prev, cur, lpc = accept_step(
         kverify,
         step,
         logits,
@@ -153,7 +161,7 @@ def sd_round(
     tcache = tcache.with_lengths(new_len)
     if dcache is not None:
         dcache = dcache.with_lengths(new_len + 0)  # its own buffer: both caches are donated
-    out = jnp.concatenate([emitted, n[:, None]], axis=1)
+    out = jnp.concatenate([emitted, n[:, None], lpc], axis=1)
     return out, n_draft, tcache, dcache, cur, prev, jnp.any(n >= n_draft), step + 1
 
 
@@ -161,14 +169,15 @@ def sd_slot_round(
     tparams, tcache, dparams, dcache, rows, catch_up, active_B, host_tokens_BxK, host_n_B, **kw
 ):
     """:func:`sd_round` over the engine's slots: each row from its own key at its own step, free slots
-    parked. Returns (emitted (B, K+2), tcache, dcache, the rows' new (cur, prev, step), catch-up flag)."""
+    parked. Returns (host array (B, K+2+P), tcache, dcache, the rows' new (cur, prev, step), catch-up flag)."""
     from ssd_jax.decoding.slots import park
 
     out, n_draft, tcache, dcache, cur, prev, _, _ = sd_round(
         tparams, tcache, dparams, dcache, rows.cur, rows.prev, catch_up, rows.steps, rows.key_batch, rows.rs,
         host_tokens_BxK, host_n_B, **kw,
     )  # fmt: skip
-    catch = jnp.any((out[:, -1] >= n_draft) & active_B)  # a live row accepted all: the draft catches up
+    n_acc = out[:, host_tokens_BxK.shape[1] + 1]  # after the K + 1 emitted columns
+    catch = jnp.any((n_acc >= n_draft) & active_B)  # a live row accepted all: the draft catches up
     # only the rows' fields that change come back (each output is a buffer the host wraps every round)
     return out, park(tcache, active_B), park(dcache, active_B), (cur, prev, rows.steps + 1), catch
 

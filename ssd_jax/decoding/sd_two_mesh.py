@@ -39,18 +39,18 @@ def sd_draft_side(dparams, dcache, rows, lengths_B, catch_up, *, dcfg, k, vocab,
 def sd_target_side(tparams, tcache, rows, tokens_BxK, q, active_B, *, cfg, needs_filter):
     """Two meshes, target side: verify and rejection-sample (the target half of :func:`sd_round`).
 
-    Returns (emitted (B, K+2), tcache, rows one round on, the outcome the draft needs: (cur, prev,
+    Returns (host array (B, K+2+P): emitted, n_accepted, log-probability columns; tcache, rows one round on, the outcome the draft needs: (cur, prev,
     catch_up, lengths))."""
     from ssd_jax.decoding.slots import park
 
     B, K = tokens_BxK.shape
     n_draft = jnp.full((B,), K, jnp.int32)
     logits, tcache = target_score(tparams, tcache, rows.cur, tokens_BxK, cfg=cfg)
-    emitted, n, new_len, _, prev, cur = accept_step(
+    emitted, n, new_len, _, prev, cur, lpc = accept_step(
         fold_in(rows.key_batch, 2), rows.steps, logits, tokens_BxK, n_draft, q, rows.rs, tcache.lengths, rows.cur,
         needs_filter=needs_filter,
     )  # fmt: skip
-    out = jnp.concatenate([emitted, n[:, None]], axis=1)
+    out = jnp.concatenate([emitted, n[:, None], lpc], axis=1)
     tcache = park(tcache.with_lengths(new_len), active_B)
     rows = dataclasses.replace(rows, cur=cur, prev=prev, steps=rows.steps + 1)
     return out, tcache, rows, (cur, prev, jnp.any((n >= n_draft) & active_B), tcache.lengths + 0)

@@ -22,6 +22,7 @@ from ssd_jax.drafters.model import draft_prefill
 from ssd_jax.models import llama
 from ssd_jax.models.llama import KVCache
 from ssd_jax.sampling.filters import RowSampling, sample
+from ssd_jax.sampling.logprobs import apply_min_tokens, columns_if_wanted
 
 
 @jax.tree_util.register_dataclass
@@ -37,10 +38,14 @@ class Rows:
     rs: RowSampling
 
     @staticmethod
-    def empty(batch: int) -> Rows:
-        """Host arrays for ``batch`` free slots (greedy, no filter)."""
+    def empty(batch: int, n_ban: int) -> Rows:
+        """Host arrays for ``batch`` free slots (greedy, no filter, no ban among ``n_ban`` ids, no
+        log-probabilities)."""
         z = np.zeros(batch, np.int32)
-        rs = RowSampling(np.zeros(batch, np.float32), z.copy(), np.ones(batch, np.float32))
+        rs = RowSampling(
+            np.zeros(batch, np.float32), z.copy(), np.ones(batch, np.float32), z.copy(),
+            np.full((batch, n_ban), -1, np.int32), np.zeros(batch, bool),
+        )  # fmt: skip
         return Rows(z.copy(), z.copy(), z + 1, np.zeros((batch, 2), np.uint32), z.copy(), rs)
 
     @property
@@ -81,19 +86,22 @@ def prefill_target(
     row's next token from its own key at step 0, and write the rows' state (``new``, its ``cur`` the
     sampled token). Only the last chunk's token is a prompt's first generated token; earlier chunks'
     writes of ``cur`` are overwritten. A row with ``n_valid`` 0 (its prompt ended in an earlier chunk)
-    keeps its length. Returns (tokens (R,), cache, rows)."""
+    keeps its length. Returns (tokens (R,), their log-probability columns (``columns_if_wanted``), cache,
+    rows)."""
     part = gather_rows(cache, slots_R, starts_R, whole)
     h, part = llama.forward(params, cfg, tokens_RxC, part)
-    last = jnp.take_along_axis(h, jnp.maximum(n_valid_R - 1, 0)[:, None, None], axis=1)[:, 0]
-    lg = llama.logits(params, cfg, last)
+    last = jnp.take_along_axis(h, jnp.maximum(n_valid_R - 1, 0)[:, None, None], axis=1)
+    raw = llama.logits(params, cfg, last)  # (R, 1, V)
+    lg = apply_min_tokens(raw, (starts_R + n_valid_R)[:, None], new.rs)[:, 0]
     if greedy:  # (static) every admitted row at temperature 0: the argmax, no draw
         tok = jnp.argmax(lg, axis=-1).astype(jnp.int32)
     else:
         tok = sample(jax.random.wrap_key_data(new.keys), lg, new.rs, needs_filter)
     tok = jnp.where(n_valid_R > 0, tok, rows.cur[slots_R])  # a prompt that ended earlier keeps its token
     cache = scatter_rows(cache, part.with_lengths(starts_R + n_valid_R), slots_R, whole)
+    lpc = columns_if_wanted(raw, tok[:, None], new.rs)
     new = dataclasses.replace(new, cur=tok, steps=jnp.ones_like(new.steps))
-    return tok, cache, set_rows(rows, slots_R, new)
+    return tok, lpc, cache, set_rows(rows, slots_R, new)
 
 
 def prefill_draft(params, cache: KVCache, tokens_RxC, n_valid_R, slots_R, starts_R, *, cfg, whole):

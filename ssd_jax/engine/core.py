@@ -29,6 +29,7 @@ from ssd_jax.decoding.batch import RowState, eos_ids, prompt_bucket
 from ssd_jax.decoding.slots import Rows
 from ssd_jax.decoding.stats import AcceptanceStats
 from ssd_jax.sampling.filters import SamplingParams
+from ssd_jax.sampling.logprobs import HostLogprobs
 
 
 @dataclasses.dataclass
@@ -49,6 +50,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" (the engine failed)
     drafted: int = 0
     accepted: int = 0
+    # with sampling.logprobs: per token, (its log-probability, [(id, log-probability)] of the best alternatives)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def key_data(self) -> np.ndarray:
         """The (2,) uint32 key of this sequence: ``key(seed)``, the sample index folded in after the first.
@@ -92,6 +95,7 @@ class RoundOut:
     n_emit: np.ndarray  # (B,) tokens emitted (accepted + 1)
     n_draft: np.ndarray  # (B,) proposals verified (0 for AR)
     hit: np.ndarray | None = None  # (B,) SSD: the verified speculation came from the cache
+    logprobs: HostLogprobs | None = None  # when a row asked: the target's, per emitted token
 
 
 @dataclasses.dataclass
@@ -142,6 +146,7 @@ class Engine:
         self.windows = context_windows(max_len, context_buckets)
         self.extra_slots = method.extra_slots
         self.eos = eos_ids(self.model)
+        self.ban = np.array(sorted(self.eos) or [-1], np.int32)  # what min_tokens bans
         self.slots: list[Sequence | None] = [None] * max_batch
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.pending: Pending | None = None
@@ -204,9 +209,13 @@ class Engine:
             self.pending = None
 
     def _worth_queueing(self, in_flight: int) -> bool:
-        """Some running row may still need a token after the rounds in flight (each gives >= 1)."""
+        """Some running row still needs a token even if every round in flight gives it the most a round
+        can (``k_max + 1``). A round queued past every row's end runs for nothing and is waited for (on
+        the Qwen pair, where a round emits ~4 of 5 tokens, that was one round in eight); not queueing
+        costs only the host's read of one round."""
+        most = in_flight * (self.method.k_max + 1)
         return any(
-            s is not None and not s.row.done and len(s.row.tokens) + in_flight < s.sampling.max_new_tokens
+            s is not None and not s.row.done and len(s.row.tokens) + most < s.sampling.max_new_tokens
             for s in self.slots
         )
 
@@ -232,11 +241,13 @@ class Engine:
             s = rnd.seqs[b]
             s.drafted += int(out.n_draft[b])
             s.accepted += int(out.n_emit[b] - 1)
-            self._push(b, out.tokens[b, : out.n_emit[b]])
+            self._push(b, out.tokens[b, : out.n_emit[b]], out.logprobs)
 
-    def _push(self, b: int, toks) -> None:
+    def _push(self, b: int, toks, lps: HostLogprobs | None) -> None:
         s = self.slots[b]
-        for t in np.asarray(toks).tolist():
+        for j, t in enumerate(np.asarray(toks).tolist()):
+            if s.logprobs is not None and lps is not None:
+                s.logprobs.append(lps.token(b, j, s.sampling.logprobs))
             new = s.row.push(int(t))
             if new and s.sink is not None:
                 s.sink("text", new)
@@ -291,14 +302,16 @@ class Engine:
         slots = np.array([b for b, _ in group], np.int32)
         seqs = [s for _, s in group]
         new = self._new_rows(seqs)
-        first = self.method.admit(self.chunks(slots, [s.prompt_ids for s in seqs]), new)
+        first, lps = self.method.admit(self.chunks(slots, [s.prompt_ids for s in seqs]), new)
         now = time.perf_counter()
-        for (b, s), tok in zip(group, first.tolist()):
+        for r, ((b, s), tok) in enumerate(zip(group, first.tolist())):
             self.slots[b] = s
             s.slot = b
             s.row = RowState(s.prompt, s.prompt_ids, self.model, s.sampling, self.eos)
             s.first_token_at = now
-            self._push(b, [tok])
+            if s.sampling.logprobs is not None:
+                s.logprobs = [lps.token(r, 0, s.sampling.logprobs)]
+            self._push(b, [tok], None)
 
     def _new_rows(self, seqs: list[Sequence]) -> Rows:
         """The admitted rows' state on the host (``cur`` is filled in by the prefill)."""
@@ -315,6 +328,12 @@ class Engine:
                 np.array([s.sampling.temperature for s in seqs], f32),
                 np.array([s.sampling.top_k for s in seqs], i32),
                 np.array([s.sampling.top_p for s in seqs], f32),
+                min_end=np.array(
+                    [len(s.prompt_ids) + s.sampling.min_tokens if s.sampling.min_tokens else 0 for s in seqs],
+                    i32,
+                ),
+                ban=np.tile(self.ban, (len(seqs), 1)),
+                want_logprobs=np.array([s.sampling.logprobs is not None for s in seqs]),
             ),
         )
 

@@ -158,6 +158,8 @@ def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -
     outputs = []
     for b, s in enumerate(seqs):
         o = s.row.output()
+        if s.logprobs is not None:  # per token: (log p, [(id, log p)] of the best alternatives)
+            o["logprobs"] = s.logprobs
         if method.speculates:
             o["metrics"] = {
                 **engine.stats.row_metrics(b),

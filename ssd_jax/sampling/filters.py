@@ -41,6 +41,11 @@ class SamplingParams:
         cut before it, the token ids keep the token that completed it).
       ignore_eos: keep generating after an end-of-sequence token.
       n: samples per prompt, run as one batch.
+      min_tokens: no end-of-sequence token (and no stop string) before this many new tokens: the
+        target's EOS logits are set to -inf until then (vLLM's ``min_tokens``), so speculation stays
+        exact against that distribution.
+      logprobs: None, or return each emitted token's log-probability under the target (raw logits,
+        before temperature and filters) with this many most likely alternatives (0 to 20).
     """
 
     temperature: float = 0.0
@@ -51,6 +56,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -63,6 +70,14 @@ class SamplingParams:
             raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise UserError(f"n must be >= 1, got {self.n}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise UserError(
+                f"min-tokens must be in [0, max-new-tokens = {self.max_new_tokens}], got {self.min_tokens}"
+            )
+        from ssd_jax.sampling.logprobs import MAX_LOGPROBS
+
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise UserError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def needs_filter(self) -> bool:
@@ -77,6 +92,10 @@ class RowSampling:
     temperature: jax.Array  # (B,) float32, 0 = greedy
     top_k: jax.Array  # (B,) int32, 0 = off
     top_p: jax.Array  # (B,) float32, 1 = off
+    # the engine's rows also carry these (None elsewhere: no ban, no log-probabilities):
+    min_end: jax.Array | None = None  # (B,) int32: no banned id at a position before it (min_tokens)
+    ban: jax.Array | None = None  # (B, E) int32: the ids min_tokens bans (the EOS ids), -1 = none
+    want_logprobs: jax.Array | None = None  # (B,) bool: the row asks for log-probabilities
 
     @classmethod
     def broadcast(cls, sp: SamplingParams, batch: int) -> RowSampling:

@@ -46,6 +46,12 @@ def build_parser() -> Parser:
     g.add_argument(
         "--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM"
     )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the /v1 routes (default: $SSD_JAX_API_KEY; "
+        "/health and /metrics stay open)",
+    )
     g.add_argument("--log-level", default="warning")
     return p
 
@@ -160,7 +166,10 @@ def run(argv=None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    app = build_app(engine, name, metrics)
+    import os
+
+    api_key = args.api_key or os.environ.get("SSD_JAX_API_KEY") or None
+    app = build_app(engine, name, metrics, api_key=api_key)
     server = _server_class()(
         uvicorn.Config(
             app,

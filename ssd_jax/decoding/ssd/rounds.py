@@ -62,7 +62,7 @@ class Control:
 def verify_round(tparams, tcache, cur_B, spec: Proposal, step, key, rs, *, cfg, needs_filter):
     """Target mesh: score the speculation, rejection-sample, advance the cache.
 
-    Returns (emitted (B, K+2) = the round's tokens then n_accepted, outcome (B, 3) = what the
+    Returns (host array (B, K+2+P) = the round's tokens, n_accepted, log-probability columns; outcome (B, 3) = what the
     draft needs: n_accepted, the next ``cur``, the new length; cur, tcache, step + 1).
     """
     logits, tcache = target_score(tparams, tcache, cur_B, spec.tokens, cfg=cfg)
@@ -74,10 +74,10 @@ def verify_round(tparams, tcache, cur_B, spec: Proposal, step, key, rs, *, cfg, 
 
 def sample_round(key, step, logits, spec: Proposal, rs, lengths_B, cur_B, *, needs_filter):
     """Rejection sampling alone (the profiled path's second target call); returns new lengths."""
-    emitted, n, new_len, _, _, nxt = accept_step(
+    emitted, n, new_len, _, _, nxt, lpc = accept_step(
         key, step, logits, spec.tokens, spec.n_draft, spec.q, rs, lengths_B, cur_B, needs_filter=needs_filter
     )
-    out = jnp.concatenate([emitted, n[:, None]], axis=1)
+    out = jnp.concatenate([emitted, n[:, None], lpc], axis=1)
     return out, jnp.stack([n, nxt, new_len], axis=1), nxt, new_len, step + 1
 
 
@@ -176,7 +176,8 @@ def fused_round(
 ):
     """Both models on one device: verify, build and advance in one call (same keys, same tokens).
 
-    Returns (host array (B, K+2+4): emitted, n_accepted, then the next speculation's meta;
+    Returns (host array (B, K+2+4+P): emitted, n_accepted, the next speculation's meta, then the
+    log-probability columns;
     next speculation, its post-miss flags, tcache, dcache, cur, step + 1).
     """
     out, outcome, nxt, tcache, _ = verify_round(
@@ -203,7 +204,8 @@ def fused_round(
         ctl=ctl,
         backup=backup,
     )
-    return jnp.concatenate([out, meta], axis=1), sp, pm, tcache, dcache, nxt, step + 1
+    host = jnp.concatenate([out[:, : K + 2], meta, out[:, K + 2 :]], axis=1)  # meta before the log-probs
+    return host, sp, pm, tcache, dcache, nxt, step + 1
 
 
 def fused_slot_round(tparams, tcache, dparams, dcache, rows, sp, pm, active_B, ctrl, **kw):

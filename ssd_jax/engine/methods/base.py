@@ -33,9 +33,9 @@ class Method:
         """Allocate the caches and state for ``engine.B`` slots; compile the round programs. Returns the
         seconds spent compiling."""
         t0 = Compiled.total_s
-        self.B, self.max_len = engine.B, engine.max_len
+        self.B, self.max_len, self.n_ban = engine.B, engine.max_len, len(engine.ban)
         self.tcache = cache_for(self.model, self.B, self.max_len)
-        self.rows = jax.tree.map(self.put, Rows.empty(self.B))
+        self.rows = jax.tree.map(self.put, Rows.empty(self.B, self.n_ban))
         self.setup_draft(engine)
         self.compile_rounds(engine.windows)
         return Compiled.total_s - t0
@@ -59,17 +59,30 @@ class Method:
         new_d = jax.tree.map(self.put, new)
         greedy = bool((new.rs.temperature == 0).all())
         nf = not greedy and bool(((new.rs.top_k > 0) | (new.rs.top_p < 1)).any())
-        tok = None
-        for c in chunks:
+        tok = lpc = None
+        for c in chunks:  # the last chunk's tokens (and log-probabilities) are the prompts' first
             prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window), greedy, nf)
-            tok, self.tcache, self.rows = prog(
+            tok, lpc, self.tcache, self.rows = prog(
                 self.model.params, self.tcache, self.rows, self.put(c.tokens), self.put(c.n_valid),
                 self.put(c.slots), self.put(c.starts), new_d,
             )  # fmt: skip
+        self._first_lp = lpc if bool(np.asarray(new.rs.want_logprobs).any()) else None
         return tok
 
-    def admit(self, chunks, new: Rows) -> np.ndarray:
-        return np.asarray(self.admit_target(chunks, new))
+    def first_logprobs(self):
+        """The admitted rows' first-token log-probabilities (None when none asked)."""
+        from ssd_jax.errors import UserError
+        from ssd_jax.sampling.logprobs import host_logprobs
+
+        if self._first_lp is None:
+            return None
+        if not self._first_lp.is_fully_addressable:
+            raise UserError("logprobs need the target's devices in this process (not with --launch)")
+        return host_logprobs(np.asarray(self._first_lp), 0, 1)
+
+    def admit(self, chunks, new: Rows):
+        """Prefill the admitted rows; returns their first tokens (R,) and log-probabilities (or None)."""
+        return np.asarray(self.admit_target(chunks, new)), self.first_logprobs()
 
     def queues_ahead(self) -> bool:
         return True
@@ -98,10 +111,13 @@ class AR(Method):
 
     def dispatch(self, live, window, mode):
         prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window), mode.greedy)
-        tok, self.tcache, steps = prog(self.model.params, self.tcache, self.rows, self.active(live))
+        out, tok, self.tcache, steps = prog(self.model.params, self.tcache, self.rows, self.active(live))
         self.rows = dataclasses.replace(self.rows, cur=tok, steps=steps)
-        return tok
+        return out
 
-    def read(self, tok, live, fresh) -> RoundOut:
-        t = np.asarray(tok)
-        return RoundOut(t[:, None], np.ones(self.B, np.int64), np.zeros(self.B, np.int64))
+    def read(self, out, live, fresh) -> RoundOut:
+        from ssd_jax.sampling.logprobs import host_logprobs
+
+        t = np.asarray(out)
+        one = np.ones(self.B, np.int64)
+        return RoundOut(t[:, :1], one, np.zeros(self.B, np.int64), logprobs=host_logprobs(t, 1, 1))

@@ -27,10 +27,18 @@ from ssd_jax.sampling.filters import fold_in
 class SDRound:
     """A dispatched SD round: its device output, K, the host's proposal counts (n-gram) and live rows."""
 
-    out: jax.Array  # (B, K+2): emitted tokens, then the accepted count
+    out: jax.Array  # (B, W+2+P): W + 1 emitted tokens, the accepted count, log-probability columns
     k: int
     n_draft: np.ndarray | None
     live: np.ndarray
+    w: int  # proposal columns verified (k, or 0 for an n-gram round without proposals)
+
+    def split(self, host: np.ndarray):
+        """(emitted (B, W+1), accepted (B,), log-probabilities or None) from the host array."""
+        from ssd_jax.sampling.logprobs import host_logprobs
+
+        w = self.w + 1
+        return host[:, :w], host[:, w], host_logprobs(host, w + 1, w)
 
 
 class SD(Method):
@@ -99,7 +107,7 @@ class SD(Method):
                     z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
                     self._program(k, mode, w).precompile(*self._round_args(off, *z))
 
-    def admit(self, chunks, new: Rows) -> np.ndarray:
+    def admit(self, chunks, new: Rows):
         first = np.asarray(self.admit_target(chunks, new))
         if self.draft is not None:
             for c in chunks:
@@ -113,7 +121,7 @@ class SD(Method):
             for r, b in enumerate(chunks[0].slots.tolist()):
                 toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
                 self.history[b] = np.asarray(toks + [int(first[r])], np.int32)
-        return first
+        return first, self.first_logprobs()
 
     def queues_ahead(self) -> bool:
         return self.kind != "host"  # n-gram lookups need the round's tokens
@@ -146,18 +154,17 @@ class SD(Method):
             *self._round_args(live, toks[:, :w], hn)
         )
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
-        return SDRound(out, k, n_h, live)
+        return SDRound(out, k, n_h, live, w)
 
     def read(self, rnd: SDRound, live, fresh) -> RoundOut:
-        host = np.asarray(rnd.out)
-        emitted, n_acc = host[:, :-1], host[:, -1]
+        emitted, n_acc, lps = rnd.split(np.asarray(rnd.out))
         n_draft = rnd.n_draft if rnd.n_draft is not None else self._full[rnd.k]
         if self.sched is not None:
             self.sched.update(rnd.k, live, n_acc, n_draft)
         if self.kind == "host":
             for b in np.flatnonzero(live):
                 self.history[b] = np.concatenate([self.history[b], emitted[b, : n_acc[b] + 1]])
-        return RoundOut(emitted, n_acc + 1, n_draft)
+        return RoundOut(emitted, n_acc + 1, n_draft, logprobs=lps)
 
     def drain(self, rnd: SDRound) -> None:
         jax.block_until_ready(rnd.out)
@@ -192,11 +199,11 @@ class SDProfiled(SD):
     def compile_rounds(self, windows) -> None:
         pass  # compiled on first use; the compile time is reported, not timed
 
-    def _propose(self, live, k):
+    def _propose(self, live, k, nf: bool):
         keys = self.rows.key_batch
         kd = fold_in(fold_in(keys, 1), self.rows.steps)
         if self.kind == "model":
-            prog = draft_programs(self.draft.cfg, k, self.model.cfg.vocab_size, True)[1][self.catch_h]
+            prog = draft_programs(self.draft.cfg, k, self.model.cfg.vocab_size, nf)[1][self.catch_h]
             toks, q, self.dcache = prog(
                 self.draft.params, self.dcache, self.rows.prev, self.rows.cur, kd, self.rows.rs
             )
@@ -213,14 +220,14 @@ class SDProfiled(SD):
 
         k, rows = self.K, self.rows
         a = clock()
-        toks, n_h, q = self._propose(live, k)
+        toks, n_h, q = self._propose(live, k, mode.needs_filter)
         jax.block_until_ready(toks)
         b = clock()
-        score, acc = sd_steps(self.model.cfg, True)
+        score, acc = sd_steps(self.model.cfg, mode.needs_filter)  # the filter only where a row needs it
         logits, self.tcache = score(self.model.params, self.tcache, rows.cur, toks)
         jax.block_until_ready(logits)
         c = clock()
-        emitted, n_acc, lengths, _, prev, cur = acc(
+        emitted, n_acc, lengths, _, prev, cur, lpc = acc(
             fold_in(rows.key_batch, 2), rows.steps, logits, toks, self.put(n_h), q, rows.rs, self.tcache.lengths,
             rows.cur,
         )  # fmt: skip
@@ -234,8 +241,8 @@ class SDProfiled(SD):
             self.dcache = park(self.dcache.with_lengths(lengths + 0), active)
         self.rows = dataclasses.replace(rows, cur=cur, prev=prev, steps=rows.steps + 1)
         self.catch_h = bool((n_acc_h >= n_h)[live].any())
-        out = jax.numpy.concatenate([emitted, n_acc[:, None]], axis=1)
-        return SDRound(out, k, n_h if self.kind == "host" else None, live)
+        out = jax.numpy.concatenate([emitted, n_acc[:, None], lpc], axis=1)
+        return SDRound(out, k, n_h if self.kind == "host" else None, live, toks.shape[1])
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
         overhead = max(0.0, wall - ttft - sum(self.times.values()))
@@ -264,7 +271,7 @@ class SDTwoMeshes(Method):
     def setup_draft(self, engine) -> None:
         dput = self.pl.put_draft
         self.dcache = cache_for(self.draft, self.B, self.max_len)
-        self.drows = jax.tree.map(dput, Rows.empty(self.B))
+        self.drows = jax.tree.map(dput, Rows.empty(self.B, self.n_ban))
         self.dlen, self.catch = dput(np.zeros(self.B, np.int32)), dput(np.bool_(False))
 
     def _programs(self, mode, window):
@@ -281,7 +288,7 @@ class SDTwoMeshes(Method):
             for w in windows:
                 self.read(self.dispatch(off, w, mode), off, off)
 
-    def admit(self, chunks, new: Rows) -> np.ndarray:
+    def admit(self, chunks, new: Rows):
         dput = self.pl.put_draft
         tok = self.admit_target(chunks, new)
         for c in chunks:
@@ -298,7 +305,7 @@ class SDTwoMeshes(Method):
             self.drows, self.dlen, dput(chunks[0].slots), new_d, dput(lengths.astype(np.int32))
         )
         jax.block_until_ready(self.dcache)
-        return self.pl.read(tok_all)
+        return self.pl.read(tok_all), self.first_logprobs()
 
     def dispatch(self, live, window, mode):
         draft_prog, target_prog, _ = self._programs(mode, window)
@@ -314,8 +321,8 @@ class SDTwoMeshes(Method):
         return out_all
 
     def read(self, out, live, fresh) -> RoundOut:
-        host = self.pl.read(out)
-        return RoundOut(host[:, :-1], host[:, -1] + 1, np.full(self.B, self.K, np.int32))
+        emitted, n_acc, lps = SDRound(out, self.K, None, live, self.K).split(self.pl.read(out))
+        return RoundOut(emitted, n_acc + 1, np.full(self.B, self.K, np.int32), logprobs=lps)
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
         return {

@@ -27,6 +27,7 @@ from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
 from ssd_jax.parallel import distributed as dist
+from ssd_jax.sampling.logprobs import host_logprobs
 
 
 @dataclasses.dataclass
@@ -102,7 +103,7 @@ class SSD(Method):
         # batch's outcomes would steer each row's tree, and a seeded row would depend on its batch mates
         self.adapts = B == 1
         self.dcache = jax.tree.map(self.dput, llama.init_cache(self.draft.cfg, B, self.max_len + M * K))
-        self.drows = self.rows if self.fused else jax.tree.map(self.dput, Rows.empty(B))
+        self.drows = self.rows if self.fused else jax.tree.map(self.dput, Rows.empty(B, self.n_ban))
         q = None if not self.carry_q else np.full((B, K, self.model.cfg.vocab_size), -np.inf, np.float32)
         sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
         self.sp, self.pm = jax.tree.map(self.dput, sp), self.dput(np.zeros(B, bool))
@@ -150,7 +151,7 @@ class SSD(Method):
 
     # --- admission
 
-    def admit(self, chunks, new: Rows) -> np.ndarray:
+    def admit(self, chunks, new: Rows):
         pl, dput = self.pl, self.dput
         tok = self.admit_target(chunks, new)
         if self.fused:
@@ -182,7 +183,7 @@ class SSD(Method):
                 toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
                 self.history[b] = np.asarray(toks + [int(first_h[r])], np.int32)
         jax.block_until_ready(self.sp.tokens)
-        return first_h
+        return first_h, self.first_logprobs()
 
     # --- rounds
 
@@ -293,7 +294,9 @@ class SSD(Method):
         host_known = rnd.host is not None
         out_h = rnd.host if host_known else pl.read(rnd.out)
         n_acc = out_h[:, K + 1]
-        meta_h = out_h[:, K + 2 :] if rnd.meta is None else pl.read(rnd.meta)
+        fused = rnd.meta is None  # the next speculation's meta rides in the host array, before the log-probs
+        meta_h = out_h[:, K + 2 : K + 2 + META] if fused else pl.read(rnd.meta)
+        lps = host_logprobs(out_h, K + 2 + META * fused, K + 1)
         meta_cur = self.meta_next.copy()
         self._learn(rnd, live, n_acc, meta_cur, meta_h)
         self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
@@ -301,7 +304,7 @@ class SSD(Method):
             self._extend_history(out_h, live)
         if self.adapts:
             self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
-        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps)
 
     def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
         """The round's statistics: the fan-out estimators, the backup decision's means, hits, fallbacks."""
