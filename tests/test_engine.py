@@ -27,10 +27,17 @@ def pair():
     return tiny_model(0), tiny_model(1, scale=0.16)
 
 
-def _engine(pair, spec, sp, slots):
+def _engine(pair, spec, sp, slots, batch_buckets=1):
     target, draft = pair
     method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
-    return Engine(method, max_batch=slots, max_len=64, prefill_chunk=4, admit_together=False)
+    return Engine(
+        method,
+        max_batch=slots,
+        max_len=64,
+        prefill_chunk=4,
+        admit_together=False,
+        batch_buckets=batch_buckets,
+    )
 
 
 @pytest.mark.parametrize("method", list(SPECS))
@@ -67,3 +74,31 @@ def test_a_seeded_row_ignores_its_batch(pair, method):
     crowd = generate(target, PROMPTS[:3], sp, spec).outputs[4:6]
     assert [o["token_ids"] for o in crowd] == [o["token_ids"] for o in alone]
     assert alone[0]["token_ids"] != alone[1]["token_ids"]  # the two samples draw from their own streams
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "ngram"])
+def test_batch_buckets_run_the_running_rows_only(pair, method):
+    """Four slots compiled for 1, 2 and 4 rows: as sequences end, rounds run the smallest bucket holding
+    every running row, and each sequence still equals generate() of its prompt alone (AR's tokens); a
+    seeded sampled run gives the same tokens with and without buckets (each row's key is its own)."""
+    target, draft = pair
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    lengths = [12, 3, 5, 9, 2]
+    alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in PROMPTS]
+    engine = _engine(pair, SPECS[method](draft), sp, slots=4, batch_buckets=3)
+    assert engine.method.buckets == (1, 2, 4)
+    seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
+    engine.submit(seqs)
+    engine.run()
+    assert [s.row.tokens for s in seqs] == [a[:n] for a, n in zip(alone, lengths)]
+    assert engine.bucket_rounds[1] > 0 and engine.bucket_rounds[4] > 0, engine.bucket_rounds
+    # sampled and seeded: the same tokens with and without buckets
+    hot = dataclasses.replace(sp, temperature=1.0, top_k=20, seed=5)
+    runs = []
+    for buckets in (1, 3):
+        engine = _engine(pair, SPECS[method](draft), hot, slots=4, batch_buckets=buckets)
+        seqs = [Sequence(p, dataclasses.replace(hot, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
+        engine.submit(seqs)
+        engine.run()
+        runs.append([s.row.tokens for s in seqs])
+    assert runs[0] == runs[1]

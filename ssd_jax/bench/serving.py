@@ -348,6 +348,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _measure_cell(jsonl: Path, s: Server, name: str, rate: float, rep: int, a, prompts, arrivals) -> None:
+    """One (method, rate, repeat) cell: the load on server ``s``, each request and the cell's totals
+    appended to ``jsonl``."""
+    before, load = s.counters(), os.getloadavg()[0]
+    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
+    after = s.counters()
+    for i, r in enumerate(reqs):
+        append_row(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
+    ok = [r for r in reqs if r["ok"]]
+    span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
+    tokens = sum(r["tokens"] for r in ok)
+    cell = {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span, "tokens": tokens,
+            "failed": len(reqs) - len(ok), "loadavg": load, "acceptance": _spec_acceptance(before, after),
+            "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups")}  # fmt: skip
+    append_row(jsonl, cell)
+    print(
+        f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {cell['failed']} failed", file=sys.stderr
+    )
+
+
 def run(argv=None) -> int:
     a = build_parser().parse_args(argv)
     out = Path(a.out)
@@ -396,37 +416,7 @@ def run(argv=None) -> int:
                 for name in order:
                     if (name, rate, rep) in done:
                         continue
-                    s = servers[name]
-                    before, load = s.counters(), os.getloadavg()[0]
-                    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
-                    after = s.counters()
-                    for i, r in enumerate(reqs):
-                        append_row(
-                            jsonl,
-                            {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r},
-                        )
-                    ok = [r for r in reqs if r["ok"]]
-                    span = max(r["end"] for r in reqs) - min(r["arrival"] for r in reqs)
-                    tokens = sum(r["tokens"] for r in ok)
-                    append_row(
-                        jsonl,
-                        {
-                            "kind": "load",
-                            "method": name,
-                            "rate": rate,
-                            "repeat": rep,
-                            "span": span,
-                            "tokens": tokens,
-                            "failed": len(reqs) - len(ok),
-                            "loadavg": load,
-                            "acceptance": _spec_acceptance(before, after),
-                            "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups"),
-                        },
-                    )
-                    print(
-                        f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {len(reqs) - len(ok)} failed",
-                        file=sys.stderr,
-                    )
+                    _measure_cell(jsonl, servers[name], name, rate, rep, a, prompts, arrivals)
     finally:
         for s in servers.values():
             s.stop()

@@ -157,18 +157,7 @@ def _run(args) -> int:
     spec.validate(n_devices=len(jax.devices()))
     if args.trace and args.method != "ssd":
         raise UserError("--trace records SSD rounds; use it with --method ssd")
-
-    prompts = read_prompts(args)
-    if not prompts:
-        if args.prompts_file:
-            raise UserError(f"no prompts in {args.prompts_file}")
-        prompts = [DEFAULT_PROMPT]
-        args.chat = True
-    for p in prompts:
-        if isinstance(p, str) and not p.strip():
-            raise UserError("empty prompt")
-        if not isinstance(p, str) and not p:
-            raise UserError("empty prompt (--prompt-ids)")
+    prompts = _prompts(args)
 
     from ssd_jax import generate, load_model  # the public API (load_model picks the device's default dtype)
 
@@ -183,7 +172,6 @@ def _run(args) -> int:
     res = generate(
         model, prompts, sampling, spec, chat=args.chat, on_text=on_text if stream else None, trace=args.trace
     )
-    m = res.metrics
     if not main:
         return 0
     if args.json:
@@ -195,6 +183,31 @@ def _run(args) -> int:
         for i, o in enumerate(res.outputs):
             print(f"--- [{i}] {o['prompt'] if isinstance(o['prompt'], str) else o['prompt'][:8]}")
             print(o["text"])
+    _report(res)
+    return 0
+
+
+def _prompts(args) -> list:
+    """The prompts to decode (the default one, chat-templated, when none is given); empty ones refused."""
+    from ssd_jax.errors import UserError
+
+    prompts = read_prompts(args)
+    if not prompts:
+        if args.prompts_file:
+            raise UserError(f"no prompts in {args.prompts_file}")
+        prompts = [DEFAULT_PROMPT]
+        args.chat = True
+    for p in prompts:
+        if isinstance(p, str) and not p.strip():
+            raise UserError("empty prompt")
+        if not isinstance(p, str) and not p:
+            raise UserError("empty prompt (--prompt-ids)")
+    return prompts
+
+
+def _report(res) -> None:
+    """The run's speed, speculation and SSD lines on stderr."""
+    m = res.metrics
     print(
         f"[{res.method}] {m['generated_tokens']} tokens in {m['wall_s']:.2f}s: {m['tokens_per_s']:.2f} tok/s, "
         f"ttft {m['ttft_s']:.3f}s, tpot {m['tpot_s'] * 1e3:.1f}ms, compile {m['compile_s']:.1f}s",
@@ -225,7 +238,6 @@ def _run(args) -> int:
             ),
             file=sys.stderr,
         )
-    return 0
 
 
 def main(argv=None) -> int:

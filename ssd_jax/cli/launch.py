@@ -204,27 +204,8 @@ def run(argv=None) -> int:
                 p.terminate()
 
     signal.signal(signal.SIGTERM, lambda *a: (stop_all(), sys.exit(143)))
-    first_bad = None
     try:
-        while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
-            bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if bad and first_bad is None:
-                first_bad = bad[0]
-                i, rc = first_bad
-                err_b.write(
-                    f"[launch] process {i} {_describe(rc)}; "
-                    f"{'waiting for' if args.no_kill else 'stopping'} the others\n".encode()
-                )
-                err_b.flush()
-                if not args.no_kill:
-                    stop_all()
-                    deadline = time.monotonic() + GRACE_S
-                    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    for p in procs:
-                        if p.poll() is None:
-                            p.kill()
-            time.sleep(0.05)
+        first_bad = _watch(procs, stop_all, args.no_kill, err_b)
     except KeyboardInterrupt:
         stop_all()
         for p in procs:
@@ -237,6 +218,31 @@ def run(argv=None) -> int:
         if first_bad is not None:
             err_b.write(f"[launch] process {first_bad[0]} {_describe(first_bad[1])}\n".encode())
     return 0 if first_bad is None else _status(first_bad[1])
+
+
+def _watch(procs, stop_all, no_kill: bool, err_b):
+    """Poll the processes until all have ended; on the first failure stop the others (kill them after
+    ``GRACE_S``) unless ``no_kill``. Returns (index, status) of the first that failed, or None."""
+    first_bad = None
+    while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if bad and first_bad is None:
+            first_bad = bad[0]
+            i, rc = first_bad
+            err_b.write(
+                f"[launch] process {i} {_describe(rc)}; {'waiting for' if no_kill else 'stopping'} the others\n".encode()
+            )
+            err_b.flush()
+            if not no_kill:
+                stop_all()
+                deadline = time.monotonic() + GRACE_S
+                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+        time.sleep(0.05)
+    return first_bad
 
 
 def main(argv=None) -> int:

@@ -166,29 +166,46 @@ def sd_round(
 
 
 def sd_slot_round(
-    tparams, tcache, dparams, dcache, rows, catch_up, active_B, host_tokens_BxK, host_n_B, **kw
+    tparams,
+    tcache,
+    dparams,
+    dcache,
+    rows,
+    catch_up,
+    active_B,
+    host_tokens_BxK,
+    host_n_B,
+    *,
+    bucket=None,
+    **kw,
 ):
     """:func:`sd_round` over the engine's slots: each row from its own key at its own step, free slots
-    parked. Returns (host array (B, K+2+P), tcache, dcache, the rows' new (cur, prev, step), catch-up flag)."""
-    from ssd_jax.decoding.slots import park
+    parked; ``bucket`` (static): only the first ``bucket`` slots run (every running row is among them).
+    Returns (host array (B, K+2+P), tcache, dcache, the rows' new (cur, prev, step), catch-up flag)."""
+    from ssd_jax.decoding.slots import pad_rows, park, put_rows, take_rows
 
-    out, n_draft, tcache, dcache, cur, prev, _, _ = sd_round(
-        tparams, tcache, dparams, dcache, rows.cur, rows.prev, catch_up, rows.steps, rows.key_batch, rows.rs,
-        host_tokens_BxK, host_n_B, **kw,
+    r, toks, n_h = take_rows((rows, host_tokens_BxK, host_n_B), bucket)
+    out, n_draft, tc, dc, cur, prev, _, _ = sd_round(
+        tparams, llama.bucket_view(tcache, bucket), dparams, llama.bucket_view(dcache, bucket), r.cur, r.prev,
+        catch_up, r.steps, r.key_batch, r.rs, toks, n_h, **kw,
     )  # fmt: skip
-    n_acc = out[:, host_tokens_BxK.shape[1] + 1]  # after the K + 1 emitted columns
-    catch = jnp.any((n_acc >= n_draft) & active_B)  # a live row accepted all: the draft catches up
+    n_acc = out[:, toks.shape[1] + 1]  # after the K + 1 emitted columns
+    catch = jnp.any((n_acc >= n_draft) & take_rows(active_B, bucket))  # a live row accepted all: catch up
+    tcache, dcache = llama.bucket_merge(tcache, tc, bucket), llama.bucket_merge(dcache, dc, bucket)
+    new = put_rows((rows.cur, rows.prev, rows.steps), (cur, prev, r.steps + 1), bucket)
     # only the rows' fields that change come back (each output is a buffer the host wraps every round)
-    return out, park(tcache, active_B), park(dcache, active_B), (cur, prev, rows.steps + 1), catch
+    return pad_rows(out, rows.cur.shape[0]), park(tcache, active_B), park(dcache, active_B), new, catch
 
 
-@functools.lru_cache(maxsize=128)
-def sd_round_program(cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False, window=None):
+@functools.lru_cache(maxsize=256)
+def sd_round_program(
+    cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False, window=None, bucket=None
+):
     from ssd_jax.decoding.slots import windowed
 
     fn = functools.partial(
         sd_slot_round, cfg=cfg, dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab,
-        needs_filter=needs_filter, kind=kind, greedy=greedy,
+        needs_filter=needs_filter, kind=kind, greedy=greedy, bucket=bucket,
     )  # fmt: skip
     return runtime.Compiled(windowed(fn, window), donate_argnums=(1, 3), name="sd_round")
 

@@ -116,6 +116,28 @@ def park(cache: KVCache | None, active_B) -> KVCache | None:
     return None if cache is None else cache.with_lengths(jnp.where(active_B, cache.lengths, 0))
 
 
+def take_rows(tree, b: int | None):
+    """The first ``b`` rows of every array in ``tree`` (a batch bucket); ``b`` None: ``tree`` itself."""
+    return tree if b is None else jax.tree.map(lambda x: x[:b], tree)
+
+
+def put_rows(full, part, b: int | None):
+    """``full`` with its first ``b`` rows replaced by ``part`` (the inverse of :func:`take_rows`)."""
+    return part if b is None else jax.tree.map(lambda f, p: f.at[:b].set(p.astype(f.dtype)), full, part)
+
+
+def pad_rows(x: jax.Array, batch: int) -> jax.Array:
+    """A bucket's host array padded with zero rows to the whole batch (the rows past it are free slots)."""
+    return x if x.shape[0] == batch else jnp.zeros((batch, *x.shape[1:]), x.dtype).at[: x.shape[0]].set(x)
+
+
+def batch_buckets(max_batch: int, buckets: int) -> tuple[int, ...]:
+    """The batch sizes a round is compiled for: ``max_batch`` halved ``buckets - 1`` times (at least 1)."""
+    if buckets < 1:
+        raise ValueError("buckets must be >= 1")
+    return tuple(sorted({max(1, -(-max_batch // (1 << i))) for i in range(buckets)}))
+
+
 def context_windows(max_len: int, buckets: int) -> tuple[int, ...]:
     """The attention windows an engine compiles (``KVCache.window``): ``max_len`` halved ``buckets - 1``
     times, each rounded up to a multiple of 16 and at least 32."""

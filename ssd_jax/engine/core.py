@@ -70,16 +70,20 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """How a round samples: every live row greedy (argmax-only programs), or some row filters."""
+    """How a round samples: every live row greedy (argmax-only programs), or some row filters; and
+    ``extras``: some row asks for log-probabilities or ``min_tokens`` (AR and SD compile those in only
+    then, on first use in the server)."""
 
     greedy: bool
     needs_filter: bool
+    extras: bool = False
 
     @staticmethod
     def of(samplings) -> Mode:
         sp = list(samplings)
         greedy = all(s.temperature == 0 for s in sp)
-        return Mode(greedy, not greedy and any(s.needs_filter for s in sp))
+        extras = any(s.logprobs is not None or s.min_tokens > 0 for s in sp)
+        return Mode(greedy, not greedy and any(s.needs_filter for s in sp), extras)
 
 
 #: the modes a server compiles: greedy, and sampling with the filter (a round whose rows sample without
@@ -123,7 +127,9 @@ class Engine:
 
     ``prefill_chunk``: prompt tokens per prefill call (None: a whole prompt, padded to a power of two);
     ``admit_together``: rows admitted in the same step share their prefill calls (offline: all rows at
-    time 0 in one call); ``context_buckets``: attention windows compiled (``slots.context_windows``)."""
+    time 0 in one call); ``context_buckets``: attention windows compiled (``slots.context_windows``);
+    ``batch_buckets``: batch sizes compiled (``slots.batch_buckets``): a round runs the smallest that
+    holds every running row (admission takes the lowest free slot), where the method allows it."""
 
     def __init__(
         self,
@@ -136,7 +142,9 @@ class Engine:
         metrics=None,
         context_buckets: int = 1,
         admit_together: bool = True,
+        batch_buckets: int = 1,
     ):
+        from ssd_jax.decoding.slots import batch_buckets as batch_buckets_of
         from ssd_jax.decoding.slots import context_windows
 
         self.method, self.B, self.max_len = method, max_batch, max_len
@@ -144,6 +152,7 @@ class Engine:
         self.C, self.max_waiting, self.metrics = prefill_chunk, max_waiting, metrics
         self.admit_together = admit_together
         self.windows = context_windows(max_len, context_buckets)
+        self.buckets = batch_buckets_of(max_batch, batch_buckets)
         self.extra_slots = method.extra_slots
         self.eos = eos_ids(self.model)
         self.ban = np.array(sorted(self.eos) or [-1], np.int32)  # what min_tokens bans
@@ -152,6 +161,9 @@ class Engine:
         self.pending: Pending | None = None
         self.stats = AcceptanceStats(max_batch, method.k_max)
         self.rounds = 0
+        self.bucket_rounds: collections.Counter[int] = (
+            collections.Counter()
+        )  # rounds dispatched per batch size
         self.compile_s = method.setup(self)
 
     # --- the caller's side
@@ -228,8 +240,11 @@ class Engine:
         need = max(s.context for s in seqs if s is not None) + (in_flight + 1) * self.extra_slots + 1
         mode = Mode.of(seqs[b].sampling for b in np.flatnonzero(live))
         if mode not in self.method.modes:  # exact: the filter leaves unfiltered rows unchanged
-            mode = Mode(mode.greedy, True)
-        return Pending(self.method.dispatch(live, self._window(need), mode), seqs)
+            mode = Mode(mode.greedy, True, mode.extras)
+        top = max(b for b, s in enumerate(seqs) if s is not None) + 1  # every running row lies below it
+        bucket = next(b for b in self.method.buckets if b >= top)
+        self.bucket_rounds[bucket] += 1
+        return Pending(self.method.dispatch(live, self._window(need), mode, bucket), seqs)
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
         self.rounds += 1

@@ -254,33 +254,7 @@ class Tokenizer:
                 vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
             )
         )
-        if pre == "qwen2":
-            tok.normalizer = normalizers.NFC()
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-                ]
-            )
-        elif pre in ("llama-bpe", "llama3"):
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-                ]
-            )
-        elif pre == "smollm":
-            # llama.cpp "smollm": every digit on its own, then the GPT-2 byte-level rule
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-                ]
-            )
-        elif pre in ("default", "gpt2", None):
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (qwen2, smollm, llama-bpe, gpt2)")
+        _set_pre_tokenizer(tok, pre)
         tok.decoder = decoders.ByteLevel()
         special = [
             AddedToken(t, special=True, normalized=False)
@@ -311,6 +285,37 @@ class Tokenizer:
             eos_token_ids=with_end_tokens(tok, eos_ids),
             chat_template=md.get("tokenizer.chat_template"),
         )
+
+
+def _set_pre_tokenizer(tok: tokenizers.Tokenizer, pre: str | None) -> None:
+    """The pre-tokenizer (and normalizer) llama.cpp's ``tokenizer.ggml.pre`` names."""
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+    elif pre in ("llama-bpe", "llama3"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+    elif pre == "smollm":
+        # llama.cpp "smollm": every digit on its own, then the GPT-2 byte-level rule
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    elif pre in ("default", "gpt2", None):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (qwen2, smollm, llama-bpe, gpt2)")
 
 
 def with_end_tokens(tok: tokenizers.Tokenizer, eos_ids: Sequence[int]) -> tuple[int, ...]:

@@ -39,7 +39,10 @@ class KVCache:
     slots. The caller guarantees that every slot a query writes or may see lies below it; the
     server sets it per round from a few context-length buckets, so a step costs what the longest
     running context needs rather than what ``--max-model-len`` allows (on XLA:CPU an 8-row SmolLM2
-    step at context 200 costs 86 ms with a 256-slot window, 162 ms over 1024 slots)."""
+    step at context 200 costs 86 ms with a 256-slot window, 162 ms over 1024 slots).
+
+    ``lengths`` may cover only the first rows of the buffers (a batch bucket: :func:`bucket_view`):
+    :func:`forward` then runs those rows only, writing their keys and values in place."""
 
     k: list[jax.Array]
     v: list[jax.Array]
@@ -59,6 +62,20 @@ class KVCache:
 
     def with_window(self, window: int | None) -> KVCache:
         return dataclasses.replace(self, window=window)
+
+
+def bucket_view(cache: KVCache | None, b: int | None) -> KVCache | None:
+    """The first ``b`` rows of ``cache`` (their lengths; the buffers stay whole, so writes land in place);
+    ``b`` None: the cache itself."""
+    return cache if cache is None or b is None else cache.with_lengths(cache.lengths[:b])
+
+
+def bucket_merge(full: KVCache | None, part: KVCache | None, b: int | None) -> KVCache | None:
+    """``part`` (a :func:`bucket_view` after a step) back as the whole cache: its buffers, the first ``b``
+    lengths replaced."""
+    if full is None or b is None:
+        return part
+    return KVCache(part.k, part.v, full.lengths.at[:b].set(part.lengths), part.window)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -149,7 +166,11 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     G = H // KVH
     q = q.reshape(B, T, KVH, G, hd)
-    kw, vw = (k_cache, v_cache) if window is None else (k_cache[:, :window], v_cache[:, :window])
+    kw, vw = k_cache, v_cache
+    if k_cache.shape[0] != B:  # a batch bucket: the first B rows of a larger cache (written in place above)
+        kw, vw = kw[:B], vw[:B]
+    if window is not None:
+        kw, vw = kw[:, :window], vw[:, :window]
     mask = mask if window is None else mask[..., :window]
     # the CPU kernel for a few new tokens (float32, one device), else XLA's einsums
     out = kernels.attention(q, kw, vw, mask, 1.0 / math.sqrt(hd))

@@ -232,6 +232,27 @@ def verify_greedy(
     return VerifyResult(n_accepted=n_acc, next_token=_take_last(argmax_BxKp1, n_acc), accepted_BxK=acc_BxK)
 
 
+def _after_accepted(logp_BxKp1xV, draft_logprobs_BxKxV, s_BxK, n_acc, n_draft):
+    """The log-distribution of the token after each row's accepted proposals: the target's at position
+    n_acc, or the residual ``max(p - q, 0)`` where the proposal there was rejected."""
+    B, Kp1, V = logp_BxKp1xV.shape
+    K = Kp1 - 1
+    logp_n = jnp.take_along_axis(logp_BxKp1xV, n_acc[:, None, None], axis=1)[:, 0]  # (B, V)
+    if K == 0:
+        return logp_n
+    rejected = n_acc < n_draft  # the proposal at n_acc exists and was rejected
+    j = jnp.minimum(n_acc, K - 1)
+    s_n = _take_last(s_BxK, j)
+    point_n = jax.nn.one_hot(s_n, V, dtype=jnp.float32)
+    if draft_logprobs_BxKxV is None:
+        q_n = point_n
+    else:
+        lq_n = jnp.take_along_axis(draft_logprobs_BxKxV, j[:, None, None], axis=1)[:, 0]
+        q_n = jnp.exp(lq_n.astype(jnp.float32))
+        q_n = jnp.where(_take_last(q_n, s_n)[:, None] > 0, q_n, point_n)
+    return next_token_logprobs(logp_n, q_n, rejected)
+
+
 def verify(
     key: jax.Array,
     target_logits_BxKp1xV: jax.Array,
@@ -292,21 +313,7 @@ def verify(
 
     # ---- the token after the accepted ones, at position n_acc
     g_next = _take_last(argmax_BxKp1, n_acc)
-    logp_n = jnp.take_along_axis(logp_BxKp1xV, n_acc[:, None, None], axis=1)[:, 0]  # (B, V)
-    if K > 0:
-        rejected = n_acc < n_draft  # the proposal at n_acc exists and was rejected
-        j = jnp.minimum(n_acc, K - 1)
-        s_n = _take_last(s_BxK, j)
-        point_n = jax.nn.one_hot(s_n, V, dtype=jnp.float32)
-        if draft_logprobs_BxKxV is None:
-            q_n = point_n
-        else:
-            lq_n = jnp.take_along_axis(draft_logprobs_BxKxV, j[:, None, None], axis=1)[:, 0]
-            q_n = jnp.exp(lq_n.astype(jnp.float32))
-            q_n = jnp.where(_take_last(q_n, s_n)[:, None] > 0, q_n, point_n)
-        dist_logits = next_token_logprobs(logp_n, q_n, rejected)
-    else:
-        dist_logits = logp_n
+    dist_logits = _after_accepted(logp_BxKp1xV, draft_logprobs_BxKxV, s_BxK, n_acc, n_draft)
     # Gumbel-max draw (what jax.random.categorical does), reusing the row's one uniform block.
     gumbel_BxV = -jnp.log(-jnp.log(u_BxKpV[:, K:]))
     s_next = jnp.argmax(dist_logits + gumbel_BxV, axis=-1)

@@ -12,7 +12,9 @@ One host thread (:class:`~ssd_jax.serve.engine.ServingEngine`, stepping the one 
    compiled call per chunk, :func:`ssd_jax.decoding.slots.prefill_target`: slice the row out,
    the prefill on it, write it back; a draft model's row likewise). The last chunk
    samples the sequence's first token. Running rows wait at most one chunk per admission.
-2. **round** - one compiled call advances every slot: AR is ``runtime.decode_step``; SD is
+2. **round** - one compiled call advances the slots (AR and SD on one device: only the first
+   ``b`` slots, ``b`` the smallest of ``--batch-buckets`` batch sizes holding every running row,
+   reading and writing those rows of the caches in place): AR is ``runtime.ar_slot_round``; SD is
    ``sd.sd_round`` (draft K, verify, rejection-sample, advance) with the model drafter, or with
    n-gram proposals made on the host; SSD is the offline single-device ``rounds.fused_round``
    (verify, rejection-sample, build the speculation tree, look the outcome up, neural backup

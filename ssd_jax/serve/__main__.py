@@ -40,6 +40,13 @@ def build_parser() -> Parser:
         "running context (1: always the whole cache)",
     )
     g.add_argument(
+        "--batch-buckets",
+        type=int,
+        default=4,
+        help="batch sizes compiled: --max-batch halved this many times minus one; a round runs the "
+        "smallest that holds every running request (AR and SD on one device; 1: always every slot)",
+    )
+    g.add_argument(
         "--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429"
     )
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --target)")
@@ -58,110 +65,28 @@ def build_parser() -> Parser:
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from ssd_jax.errors import UserError
-
-    spec = spec_from_args(args)
-    if args.max_batch < 1 or args.prefill_chunk < 1 or args.max_waiting < 0 or args.context_buckets < 1:
-        raise UserError("--max-batch, --prefill-chunk and --context-buckets must be >= 1, --max-waiting >= 0")
-    spec.validate()
-    if spec.method == "ar" or spec.draft in ("ngram", "random"):  # nothing for "auto" to choose
-        spec = dataclasses.replace(
-            spec,
-            draft_dtype=None if spec.draft_dtype == "auto" else spec.draft_dtype,
-            draft_vocab=None if spec.draft_vocab == "auto" else spec.draft_vocab,
-        )
-
+    spec = _checked_spec(args)
     import uvicorn
 
     from ssd_jax import load_model
     from ssd_jax.serve.app import build_app
-    from ssd_jax.engine.core import ALL_MODES, Engine
-    from ssd_jax.engine.methods import build_method
-    from ssd_jax.serve.engine import ServingEngine
-    from ssd_jax.serve.metrics import Metrics
 
     model = load_model(args.target, dtype=args.dtype)
-    draft = None
-    if spec.method != "ar" and spec.draft not in ("ngram", "random"):
-        from ssd_jax.drafters.base import check_same_tokenizer
-
-        from ssd_jax.drafters.vocab import load_with_head, trimmed_draft
-        from ssd_jax.loading.loaded import with_weight_dtype
-
-        load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
-        draft = load(spec.draft)
-        check_same_tokenizer(model, draft)
-        from ssd_jax.decoding.kauto import choose_draft_variant
-
-        # draft_dtype / draft_vocab "auto": the variant calibrated fastest at --max-batch rows
-        spec, _, _ = choose_draft_variant(model, dataclasses.replace(spec, draft=draft), args.max_batch, load)
-        spec = dataclasses.replace(spec, draft=args.draft)
-        if spec.draft_dtype is not None:
-            draft = with_weight_dtype(draft, spec.draft_dtype)
-        if spec.draft_vocab is not None:
-            draft = trimmed_draft(draft, spec.draft_vocab, load)
+    spec, draft = _prepared_draft(args, spec, model)
     max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
-    k_note = ""
-    if spec.method != "ar" and spec.k == "auto":  # measured (or cached) for this pair at --max-batch rows
-        from ssd_jax.decoding.kauto import resolve_k
-        from ssd_jax.sampling.filters import SamplingParams
-
-        resolved, info, _ = resolve_k(
-            model,
-            dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
-            SamplingParams(),
-            args.max_batch,
-            load_model,
-        )
-        spec = dataclasses.replace(
-            spec, k=int(resolved.k), k_plan=resolved.k_plan, fan_out_budget=resolved.fan_out_budget
-        )
-        expected = info["expected_speedup_by_k"][str(spec.k)]
-        k_note = f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
-        if expected < 1.0:
-            print(
-                f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
-                f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
-                "(docs/serving.md)",
-                file=sys.stderr,
-                flush=True,
-            )
-    from ssd_jax.parallel.distributed import multi_process
-
-    if multi_process():
-        raise UserError(
-            "the server runs in one process: serve SSD's draft on a device of its own with "
-            "--target-devices 1 --draft-devices 1 (one process, two devices)"
-        )
-    k = 0 if spec.method == "ar" else int(spec.k)
-    metrics = Metrics(k)
-    spec.validate()
-    method = build_method(
-        model,
-        dataclasses.replace(spec, draft=draft if draft is not None else spec.draft),
-        ALL_MODES,
-        load_model,
-    )
-    core = Engine(
-        method,
-        max_batch=args.max_batch,
-        max_len=max_len,
-        prefill_chunk=args.prefill_chunk,
-        metrics=metrics,
-        context_buckets=args.context_buckets,
-        admit_together=False,
-    )
-    engine = ServingEngine(core, max_waiting=args.max_waiting)
-    compile_s = core.compile_s
+    spec, k_note = _resolved_k(args, spec, model, draft)
+    engine, metrics, method = _serving_engine(args, spec, model, draft, max_len)
     name = args.served_model_name or str(args.target)
+    k = 0 if spec.method == "ar" else int(spec.k)
     ssd = f" fan-out budget={method.M} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
     print(
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
-        + f" slots={args.max_batch} context={max_len} windows={','.join(map(str, engine.windows))}: "
-        f"compiled in {compile_s:.1f}s; "
+        + f" slots={args.max_batch} buckets={','.join(map(str, method.buckets))} context={max_len} "
+        f"windows={','.join(map(str, engine.windows))}: "
+        f"compiled in {engine.engine.compile_s:.1f}s; "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
@@ -170,17 +95,118 @@ def run(argv=None) -> int:
 
     api_key = args.api_key or os.environ.get("SSD_JAX_API_KEY") or None
     app = build_app(engine, name, metrics, api_key=api_key)
-    server = _server_class()(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    server.run()
+    _server_class()(config).run()
     return 0
+
+
+def _checked_spec(args):
+    """The speculation config from the flags, checked; "auto" draft options resolved where nothing is
+    left to choose."""
+    from ssd_jax.errors import UserError
+    from ssd_jax.parallel.distributed import multi_process
+
+    spec = spec_from_args(args)
+    if (
+        min(args.max_batch, args.prefill_chunk, args.context_buckets, args.batch_buckets) < 1
+        or args.max_waiting < 0
+    ):
+        raise UserError(
+            "--max-batch, --prefill-chunk, --context-buckets and --batch-buckets must be >= 1, --max-waiting >= 0"
+        )
+    spec.validate()
+    if multi_process():
+        raise UserError(
+            "the server runs in one process: serve SSD's draft on a device of its own with "
+            "--target-devices 1 --draft-devices 1 (one process, two devices)"
+        )
+    if spec.method == "ar" or spec.draft in ("ngram", "random"):  # nothing for "auto" to choose
+        spec = dataclasses.replace(
+            spec,
+            draft_dtype=None if spec.draft_dtype == "auto" else spec.draft_dtype,
+            draft_vocab=None if spec.draft_vocab == "auto" else spec.draft_vocab,
+        )
+    return spec
+
+
+def _prepared_draft(args, spec, model):
+    """(spec, the draft model as it will run: weight dtype and trimmed head), or (spec, None) without a
+    draft model."""
+    if spec.method == "ar" or spec.draft in ("ngram", "random"):
+        return spec, None
+    from ssd_jax.decoding.kauto import choose_draft_variant
+    from ssd_jax.drafters.base import check_same_tokenizer
+    from ssd_jax.drafters.vocab import load_with_head, trimmed_draft
+    from ssd_jax.loading.loaded import with_weight_dtype
+
+    load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
+    draft = load(spec.draft)
+    check_same_tokenizer(model, draft)
+    # draft_dtype / draft_vocab "auto": the variant calibrated fastest at --max-batch rows
+    spec, _, _ = choose_draft_variant(model, dataclasses.replace(spec, draft=draft), args.max_batch, load)
+    spec = dataclasses.replace(spec, draft=args.draft)
+    if spec.draft_dtype is not None:
+        draft = with_weight_dtype(draft, spec.draft_dtype)
+    if spec.draft_vocab is not None:
+        draft = trimmed_draft(draft, spec.draft_vocab, load)
+    return spec, draft
+
+
+def _resolved_k(args, spec, model, draft):
+    """(spec with K fixed, the start-up line's note on it): K auto is measured (or read from the cache)
+    for this pair at --max-batch rows; a warning when even its best K is expected to lose to AR."""
+    if spec.method == "ar" or spec.k != "auto":
+        return spec, ""
+    from ssd_jax import load_model
+    from ssd_jax.decoding.kauto import resolve_k
+    from ssd_jax.sampling.filters import SamplingParams
+
+    with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
+    resolved, info, _ = resolve_k(model, with_draft, SamplingParams(), args.max_batch, load_model)
+    spec = dataclasses.replace(
+        spec, k=int(resolved.k), k_plan=resolved.k_plan, fan_out_budget=resolved.fan_out_budget
+    )
+    expected = info["expected_speedup_by_k"][str(spec.k)]
+    if expected < 1.0:
+        print(
+            f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
+            f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
+            "(docs/serving.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
+
+
+def _serving_engine(args, spec, model, draft, max_len):
+    """(the serving engine, its metrics, the method): every program compiled."""
+    from ssd_jax import load_model
+    from ssd_jax.engine.core import ALL_MODES, Engine
+    from ssd_jax.engine.methods import build_method
+    from ssd_jax.serve.engine import ServingEngine
+    from ssd_jax.serve.metrics import Metrics
+
+    metrics = Metrics(0 if spec.method == "ar" else int(spec.k))
+    spec.validate()
+    with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
+    method = build_method(model, with_draft, ALL_MODES, load_model)
+    core = Engine(
+        method,
+        max_batch=args.max_batch,
+        max_len=max_len,
+        prefill_chunk=args.prefill_chunk,
+        metrics=metrics,
+        context_buckets=args.context_buckets,
+        batch_buckets=args.batch_buckets,
+        admit_together=False,
+    )
+    return ServingEngine(core, max_waiting=args.max_waiting), metrics, method
 
 
 def _server_class():

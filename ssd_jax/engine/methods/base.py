@@ -22,6 +22,7 @@ class Method:
     speculates = False
     k_max = 0
     extra_slots = 0
+    bucketed = False  # runs a round over the first rows only (batch buckets); else every slot, always
 
     def __init__(self, model, modes):
         self.model, self.modes = model, tuple(modes)
@@ -34,6 +35,7 @@ class Method:
         seconds spent compiling."""
         t0 = Compiled.total_s
         self.B, self.max_len, self.n_ban = engine.B, engine.max_len, len(engine.ban)
+        self.buckets = engine.buckets if self.bucketed else (self.B,)
         self.tcache = cache_for(self.model, self.B, self.max_len)
         self.rows = jax.tree.map(self.put, Rows.empty(self.B, self.n_ban))
         self.setup_draft(engine)
@@ -46,6 +48,19 @@ class Method:
     def window(self, w: int) -> int | None:
         """A round's attention window; None when it is the whole cache (no windowing)."""
         return None if w >= self.max_len else w
+
+    def round_rows(self, mode) -> Rows:
+        """The rows a round program reads: without the ``min_tokens`` ban and the log-probability flag
+        when no running row needs them (``mode.extras``), so the program has neither (a static choice:
+        the pytree differs)."""
+        if mode.extras:
+            return self.rows
+        rs = dataclasses.replace(self.rows.rs, min_end=None, ban=None, want_logprobs=None)
+        return dataclasses.replace(self.rows, rs=rs)
+
+    def bucket(self, b: int | None) -> int | None:
+        """A round's batch bucket; None when it is every slot."""
+        return None if b is None or b >= self.B else b
 
     def active(self, live: np.ndarray):
         """The live mask on the device, uploaded only when it changes."""
@@ -98,20 +113,25 @@ class AR(Method):
     """Plain autoregressive decoding: one step per token for every slot."""
 
     name = "ar"
+    bucketed = True
 
     def compile_rounds(self, windows) -> None:
         for mode in self.modes:
             for w in windows:
-                prog = runtime.ar_round_program(
-                    self.model.cfg, mode.needs_filter, self.window(w), mode.greedy
-                )
-                prog.precompile(
-                    self.model.params, self.tcache, self.rows, self.active(np.zeros(self.B, bool))
-                )
+                for b in self.buckets:
+                    prog = runtime.ar_round_program(
+                        self.model.cfg, mode.needs_filter, self.window(w), mode.greedy, self.bucket(b)
+                    )
+                    off = self.active(np.zeros(self.B, bool))
+                    prog.precompile(self.model.params, self.tcache, self.round_rows(mode), off)
 
-    def dispatch(self, live, window, mode):
-        prog = runtime.ar_round_program(self.model.cfg, mode.needs_filter, self.window(window), mode.greedy)
-        out, tok, self.tcache, steps = prog(self.model.params, self.tcache, self.rows, self.active(live))
+    def dispatch(self, live, window, mode, bucket=None):
+        prog = runtime.ar_round_program(
+            self.model.cfg, mode.needs_filter, self.window(window), mode.greedy, self.bucket(bucket)
+        )
+        out, tok, self.tcache, steps = prog(
+            self.model.params, self.tcache, self.round_rows(mode), self.active(live)
+        )
         self.rows = dataclasses.replace(self.rows, cur=tok, steps=steps)
         return out
 

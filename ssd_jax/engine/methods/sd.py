@@ -46,6 +46,7 @@ class SD(Method):
 
     name = "sd"
     speculates = True
+    bucketed = True
 
     def __init__(self, model, modes, spec, drafter):
         super().__init__(model, modes)
@@ -70,23 +71,23 @@ class SD(Method):
         self._full = {k: np.full(self.B, k, np.int32) for k in self.widths}
         self.history = [np.zeros(0, np.int32)] * self.B
 
-    def _program(self, w: int, mode, window):
-        key = (w, mode, window)
+    def _program(self, w: int, mode, window, bucket=None):
+        key = (w, mode, window, bucket)
         prog = self._progs.get(key)  # a dict lookup per round, not a hash of both model configs
         if prog is None:
-            prog = self._progs[key] = self._build_program(w, mode, window)
+            prog = self._progs[key] = self._build_program(w, mode, window, bucket)
         return prog
 
-    def _build_program(self, w: int, mode, window):
+    def _build_program(self, w: int, mode, window, bucket):
         dcfg = self.draft.cfg if self.draft is not None else None
         rand_vocab = getattr(self.drafter, "vocab", self.model.cfg.vocab_size)
         nf = mode.needs_filter and not mode.greedy
         return sd_round_program(
             self.model.cfg, dcfg, w, self.model.cfg.vocab_size, rand_vocab, nf, self.kind, mode.greedy,
-            self.window(window),
+            self.window(window), self.bucket(bucket),
         )  # fmt: skip
 
-    def _round_args(self, live, host_toks, host_n):
+    def _round_args(self, live, host_toks, host_n, mode):
         """The round's arguments; host proposals uploaded (n-gram), else zeros kept on the device."""
         dparams = self.draft.params if self.draft is not None else None
         if self.kind == "host":
@@ -96,8 +97,8 @@ class SD(Method):
             if w not in self._zeros:
                 self._zeros[w] = (self.put(host_toks), self.put(host_n))
             toks, n = self._zeros[w]
-        return (self.model.params, self.tcache, dparams, self.dcache, self.rows, self.catch, self.active(live),
-                toks, n)  # fmt: skip
+        return (self.model.params, self.tcache, dparams, self.dcache, self.round_rows(mode), self.catch,
+                self.active(live), toks, n)  # fmt: skip
 
     def compile_rounds(self, windows) -> None:
         off = np.zeros(self.B, bool)
@@ -105,7 +106,8 @@ class SD(Method):
             for w in windows:
                 for k in self.widths:
                     z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
-                    self._program(k, mode, w).precompile(*self._round_args(off, *z))
+                    for b in self.buckets:
+                        self._program(k, mode, w, b).precompile(*self._round_args(off, *z, mode))
 
     def admit(self, chunks, new: Rows):
         first = np.asarray(self.admit_target(chunks, new))
@@ -143,16 +145,16 @@ class SD(Method):
     def next_k(self) -> int:
         return self.sched.k if self.sched is not None else self.K
 
-    def dispatch(self, live, window, mode) -> SDRound:
+    def dispatch(self, live, window, mode, bucket=None) -> SDRound:
         k = self.next_k()
         if self.kind == "host":
             toks, n_h, w = self.ngram(live, k)
         else:
             w, toks, n_h = k, np.zeros((self.B, k), np.int32), None
         hn = n_h if n_h is not None else np.zeros(self.B, np.int32)
-        out, self.tcache, self.dcache, (cur, prev, steps), self.catch = self._program(w, mode, window)(
-            *self._round_args(live, toks[:, :w], hn)
-        )
+        out, self.tcache, self.dcache, (cur, prev, steps), self.catch = self._program(
+            w, mode, window, bucket
+        )(*self._round_args(live, toks[:, :w], hn, mode))
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         return SDRound(out, k, n_h, live, w)
 
@@ -189,7 +191,9 @@ def clock() -> float:
 
 class SDProfiled(SD):
     """``--profile-stages``: each round as timed draft, verify and sample calls (the same keys, so the
-    same tokens as the one-call round, slower). K stays fixed."""
+    same tokens as the one-call round, slower). K stays fixed; every slot runs (no batch buckets)."""
+
+    bucketed = False
 
     def __init__(self, model, modes, spec, drafter):
         super().__init__(model, modes, dataclasses.replace(spec, k_plan=None), drafter)
@@ -215,7 +219,7 @@ class SDProfiled(SD):
         toks, n_h, w = self.ngram(live, k)
         return self.put(toks[:, :w]), n_h, None
 
-    def dispatch(self, live, window, mode) -> SDRound:
+    def dispatch(self, live, window, mode, bucket=None) -> SDRound:
         from ssd_jax.decoding.slots import park
 
         k, rows = self.K, self.rows
@@ -307,7 +311,7 @@ class SDTwoMeshes(Method):
         jax.block_until_ready(self.dcache)
         return self.pl.read(tok_all), self.first_logprobs()
 
-    def dispatch(self, live, window, mode):
+    def dispatch(self, live, window, mode, bucket=None):
         draft_prog, target_prog, _ = self._programs(mode, window)
         toks, q, self.dcache, self.drows = draft_prog(
             self.draft.params, self.dcache, self.drows, self.dlen, self.catch

@@ -205,7 +205,7 @@ class SSD(Method):
 
     _next_kind = "neural"
 
-    def dispatch(self, live, window, mode) -> SSDRound:
+    def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
         kind = self.choose_kind(live)
         self._next_kind = kind
         progs, ctrl = self._progs(mode, window), self._ctrl(live)
