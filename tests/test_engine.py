@@ -76,7 +76,10 @@ def test_a_seeded_row_ignores_its_batch(pair, method):
     assert alone[0]["token_ids"] != alone[1]["token_ids"]  # the two samples draw from their own streams
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "ngram"])
+# AR and n-gram buckets are slow-set here: by default test_serve's AR server runs buckets over HTTP
+@pytest.mark.parametrize(
+    "method", ["sd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ar", "ngram"))]
+)
 def test_batch_buckets_run_the_running_rows_only(pair, method):
     """Four slots compiled for 1, 2 and 4 rows: as sequences end, rounds run the smallest bucket holding
     every running row, and each sequence still equals generate() of its prompt alone (AR's tokens); a

@@ -41,6 +41,8 @@ SERVER_FLAGS = [
     "16",
     "--context-buckets",
     "2",
+    "--batch-buckets",  # rounds of 2 or 4 rows on the 4-slot servers (fewer programs to compile)
+    "2",
 ]
 
 
@@ -152,6 +154,8 @@ def servers(pair):
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for _, err in errs.values():
         assert "windows=80,160" in err
+    if "ar" in errs:
+        assert "buckets=2,4" in errs["ar"][1]  # AR rounds run 2 or 4 rows (SSD: every slot, "buckets=4")
 
 
 plain_lp: list = []  # the offline AR log-probabilities of ``offline``'s plain answers (filled by it)

@@ -241,8 +241,10 @@ class Engine:
         mode = Mode.of(seqs[b].sampling for b in np.flatnonzero(live))
         if mode not in self.method.modes:  # exact: the filter leaves unfiltered rows unchanged
             mode = Mode(mode.greedy, True, mode.extras)
-        top = max(b for b, s in enumerate(seqs) if s is not None) + 1  # every running row lies below it
-        bucket = next(b for b in self.method.buckets if b >= top)
+        bucket = self.B
+        if len(self.method.buckets) > 1:
+            top = max(b for b, s in enumerate(seqs) if s is not None) + 1  # every running row lies below it
+            bucket = next(b for b in self.method.buckets if b >= top)
         self.bucket_rounds[bucket] += 1
         return Pending(self.method.dispatch(live, self._window(need), mode, bucket), seqs)
 

@@ -29,6 +29,7 @@ class Method:
         self.put = functools.partial(put_on, model)
         self._active_h: np.ndarray | None = None
         self._active = None
+        self._plain_rs = None  # (the rows' rs, the same without min_tokens / logprobs fields)
 
     def setup(self, engine) -> float:
         """Allocate the caches and state for ``engine.B`` slots; compile the round programs. Returns the
@@ -53,10 +54,13 @@ class Method:
         """The rows a round program reads: without the ``min_tokens`` ban and the log-probability flag
         when no running row needs them (``mode.extras``), so the program has neither (a static choice:
         the pytree differs)."""
+        r = self.rows
         if mode.extras:
-            return self.rows
-        rs = dataclasses.replace(self.rows.rs, min_end=None, ban=None, want_logprobs=None)
-        return dataclasses.replace(self.rows, rs=rs)
+            return r
+        if self._plain_rs is None or self._plain_rs[0] is not r.rs:  # the rows' rs change on admission only
+            rs = r.rs
+            self._plain_rs = (rs, type(rs)(rs.temperature, rs.top_k, rs.top_p))
+        return Rows(r.cur, r.prev, r.steps, r.keys, r.limit, self._plain_rs[1])
 
     def bucket(self, b: int | None) -> int | None:
         """A round's batch bucket; None when it is every slot."""

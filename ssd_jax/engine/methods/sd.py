@@ -21,6 +21,7 @@ from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method
 from ssd_jax.parallel.placement import cache_for
 from ssd_jax.sampling.filters import fold_in
+from ssd_jax.sampling.logprobs import host_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,6 @@ class SDRound:
 
     def split(self, host: np.ndarray):
         """(emitted (B, W+1), accepted (B,), log-probabilities or None) from the host array."""
-        from ssd_jax.sampling.logprobs import host_logprobs
-
         w = self.w + 1
         return host[:, :w], host[:, w], host_logprobs(host, w + 1, w)
 
