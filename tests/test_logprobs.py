@@ -57,10 +57,10 @@ def test_pack_unpack_and_ban_are_exact():
     np.testing.assert_array_equal(out[1], np.asarray(logits)[1])
 
 
-# the default set keeps two methods per test (the slow set runs all four): SD's verify path is also
-# checked by default over HTTP (test_serve: the SD server's logprobs equal offline AR's)
+# the default set keeps AR here (the slow set runs all four): the verify's log-probabilities are
+# checked by default over HTTP (test_serve: the SD server's equal offline AR's)
 @pytest.mark.parametrize(
-    "method", ["ar", "ssd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ngram"))]
+    "method", ["ar", *(pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ngram", "ssd"))]
 )
 def test_logprobs_are_the_targets_for_every_method(pair, method):
     """Greedy: each emitted token's log-probability and the top 4 equal a full forward's log_softmax, for

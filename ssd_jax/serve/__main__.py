@@ -42,9 +42,10 @@ def build_parser() -> Parser:
     g.add_argument(
         "--batch-buckets",
         type=int,
-        default=4,
+        default=1,
         help="batch sizes compiled: --max-batch halved this many times minus one; a round runs the "
-        "smallest that holds every running request (AR and SD on one device; 1: always every slot)",
+        "smallest that holds every running request (AR and SD on one device; 1, the default: always "
+        "every slot; docs/serving.md has what it measured)",
     )
     g.add_argument(
         "--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429"
