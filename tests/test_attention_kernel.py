@@ -67,6 +67,20 @@ def test_causal_prefix_masks_and_rows_that_see_nothing():
     _close(got[2, 0], jnp.broadcast_to(v[2].mean(0)[:, None, :], got[2, 0].shape), tol=1e-5)
 
 
+def test_a_bucket_or_window_reads_the_first_rows_and_slots_of_the_whole_cache():
+    """A batch bucket (q over the first rows) and an attention window (a mask narrower than the cache)
+    hand the kernel the whole cache buffers; it attends over the first B rows and S slots only, as the
+    reference over the slice does, including a blind row (the mean over the S window slots)."""
+    B, T, S = 2, 3, 40
+    q, _, _, mask = _case(B, T, 2, 3, 32, S, seed=11)
+    _, k, v, _ = _case(5, T, 2, 3, 32, 96, seed=12)  # 5 slots' rows, 96 cache slots
+    mask = mask.at[1, 2].set(False)
+    scale = 0.25
+    assert kernels.attention_usable(q, k, v)
+    got = jax.jit(lambda *a: kernels.attention(*a, scale))(q, k, v, mask)
+    _close(got, kernels.attention_reference(q, k[:B, :S], v[:B, :S], mask, scale))
+
+
 def test_attention_kernel_under_vmap_and_grad():
     q, k, v, mask = _case(2, 3, 2, 2, 32, 24, seed=3)
     f = lambda q, k, v: kernels.attention(q, k, v, mask, 0.2)

@@ -166,14 +166,10 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
     v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     G = H // KVH
     q = q.reshape(B, T, KVH, G, hd)
-    kw, vw = k_cache, v_cache
-    if k_cache.shape[0] != B:  # a batch bucket: the first B rows of a larger cache (written in place above)
-        kw, vw = kw[:B], vw[:B]
-    if window is not None:
-        kw, vw = kw[:, :window], vw[:, :window]
     mask = mask if window is None else mask[..., :window]
-    # the CPU kernel for a few new tokens (float32, one device), else XLA's einsums
-    out = kernels.attention(q, kw, vw, mask, 1.0 / math.sqrt(hd))
+    # over the first B rows (a batch bucket) and ``window`` slots of the whole cache, written in place
+    # above: the CPU kernel for a few new tokens (float32, one device), else XLA's einsums
+    out = kernels.attention(q, k_cache, v_cache, mask, 1.0 / math.sqrt(hd))
     return matmul(out.reshape(B, T, H * hd), layer["wo"], fm.o, D), k_cache, v_cache
 
 

@@ -264,6 +264,11 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     return jnp.einsum("bkgts,bskh->btkgh", probs, v)
 
 
+def _sliced_reference(q, k, v, mask, *, scale):
+    B, S = q.shape[0], mask.shape[-1]
+    return attention_reference(q, k[:B, :S], v[:B, :S], mask, scale)
+
+
 def _attention_ffi(q, k, v, mask, *, scale):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(
@@ -279,7 +284,7 @@ def _attention(q, k, v, mask, scale):
         v,
         mask,
         cpu=functools.partial(_attention_ffi, scale=scale),
-        default=functools.partial(attention_reference, scale=scale),
+        default=functools.partial(_sliced_reference, scale=scale),
     )
 
 
@@ -287,13 +292,17 @@ def _attention(q, k, v, mask, scale):
 def _attention_jvp(scale, primals, tangents):  # differentiate as the reference
     q, k, v, mask = primals
     dq, dk, dv, _ = tangents
-    _, t = jax.jvp(lambda a, b, c: attention_reference(a, b, c, mask, scale), (q, k, v), (dq, dk, dv))
+    _, t = jax.jvp(lambda a, b, c: _sliced_reference(a, b, c, mask, scale=scale), (q, k, v), (dq, dk, dv))
     return _attention(q, k, v, mask, scale), t
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Grouped-query attention of a few new tokens over a KV cache (shapes as
-    :func:`attention_reference`): the CPU kernel where :func:`attention_usable`, else the reference."""
+    """Grouped-query attention of a few new tokens over the first ``B`` rows and ``S`` slots of a KV
+    cache (q (B, T, KVH, G, hd), mask (B, T, S), k / v (Bc >= B, Sc >= S, KVH, hd)): the CPU kernel
+    where :func:`attention_usable`, reading the cache buffers whole and in place, else the reference
+    over the slice. A slice taken here in JAX would be fused by XLA with the step's cache write and
+    cost a copy of every layer's whole cache (a batch bucket or an attention window)."""
+    B, S = q.shape[0], mask.shape[-1]
     if not attention_usable(q, k, v):
-        return attention_reference(q, k, v, mask, scale)
+        return attention_reference(q, k[:B, :S], v[:B, :S], mask, scale)
     return _attention(q, k, v, mask.astype(jnp.bool_), float(scale))

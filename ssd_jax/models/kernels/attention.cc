@@ -1,6 +1,9 @@
 // Attention of a few new query tokens over a static-shape KV cache, float32, CPU:
-//   q (B, T, KVH, G, hd), k / v (B, S, KVH, hd), mask (B, T, S) bool -> out (B, T, KVH, G, hd)
+//   q (B, T, KVH, G, hd), k / v (Bc, Sc, KVH, hd), mask (B, T, S) bool -> out (B, T, KVH, G, hd)
 //   out[b, t, j, g] = sum_s softmax_s(scale * q[b, t, j, g] . k[b, s, j] | mask[b, t, s]) v[b, s, j]
+// over the first B rows and S slots of the cache (Bc >= B, Sc >= S): a batch bucket or an attention
+// window reads the whole cache buffer in place, so XLA never materialises a slice of it (a slice
+// fused with the step's cache write made XLA copy every layer's whole cache).
 // (grouped-query attention: the G query heads of a group share the group's key / value head).
 //
 // Built with rows_matmul.cc by ssd_jax/models/kernels/__init__.py; called through the XLA FFI
@@ -69,7 +72,7 @@ inline f16v exp_neg(f16v x) {
 }
 
 struct Shape {
-  int64_t B, T, KVH, G, hd, S;
+  int64_t B, T, KVH, G, hd, S, Sc;  // S: the slots attended (the mask's width); Sc: the cache's slots
 };
 
 // One (b, j) work item. scores: scratch of G * T * S floats.
@@ -86,8 +89,8 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
         break;
       }
   const int64_t kstride = KVH * hd;
-  const float* kb = k + (b * S * KVH + j) * hd;
-  const float* vb = v + (b * S * KVH + j) * hd;
+  const float* kb = k + (b * d.Sc * KVH + j) * hd;
+  const float* vb = v + (b * d.Sc * KVH + j) * hd;
   const int64_t rows = T * G;
   auto qrow = [&](int64_t t, int64_t g) { return q + (((b * T + t) * KVH + j) * G + g) * hd; };
   auto orow = [&](int64_t t, int64_t g) { return out + (((b * T + t) * KVH + j) * G + g) * hd; };
@@ -176,16 +179,19 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
                          float scale) {
   const auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || md.size() != 3 || kd[0] != qd[0] || kd[2] != qd[2] || kd[3] != qd[4] ||
-      md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[1] || v.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument("attention: want q (B,T,KVH,G,hd), k/v (B,S,KVH,hd), mask (B,T,S)");
+  const auto vd = v.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || md.size() != 3 || vd.size() != 4 || kd[0] < qd[0] || kd[2] != qd[2] ||
+      kd[3] != qd[4] || md[0] != qd[0] || md[1] != qd[1] || md[2] > kd[1] ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument(
+        "attention: want q (B,T,KVH,G,hd), k/v (Bc>=B,Sc>=S,KVH,hd) alike, mask (B,T,S)");
   auto work = std::make_shared<Work>();
   work->q = q.typed_data();
   work->k = k.typed_data();
   work->v = v.typed_data();
   work->mask = reinterpret_cast<const bool*>(mask.untyped_data());
   work->out = out->typed_data();
-  work->d = Shape{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+  work->d = Shape{qd[0], qd[1], qd[2], qd[3], qd[4], md[2], kd[1]};
   work->scale = scale;
   work->items = qd[0] * qd[2];
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
