@@ -4,6 +4,7 @@ AR, SD and SSD on tiny models."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 from test_sd import tiny_model
 
@@ -105,3 +106,56 @@ def test_batch_buckets_run_the_running_rows_only(pair, method):
         engine.run()
         runs.append([s.row.tokens for s in seqs])
     assert runs[0] == runs[1]
+
+
+class ScriptedK:
+    """A K plan that plays a fixed schedule (one K per round read), K = 0 among them."""
+
+    alpha, zero = 0.5, True
+
+    def __init__(self, schedule):
+        self.schedule, self.i = schedule, 0
+        self.ks = tuple(sorted(set(schedule)))
+        self.table = np.array(self.ks)
+
+    def choose(self, alpha, bucket=None):
+        return self.k_at(alpha, bucket)
+
+    def k_at(self, alpha, bucket=None):
+        self.i += 1
+        return self.schedule[self.i % len(self.schedule)]
+
+
+def _acceptance(pair, schedule, buckets):
+    target, _ = pair
+    sp = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    spec = SpecConfig(method="sd", draft=target, k=3, draft_dtype=None, draft_vocab=None)
+    spec = dataclasses.replace(spec, k_plan=ScriptedK(schedule))
+    engine = _engine((target, target), spec, sp, slots=4, batch_buckets=buckets)
+    lengths = [14, 4, 9, 12, 6]
+    seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
+    engine.submit(seqs)
+    engine.run()
+    alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in PROMPTS]
+    assert [s.row.tokens for s in seqs] == [a[:n] for a, n in zip(alone, lengths)]
+    rounds = engine.method.sched.rounds
+    assert rounds[0] > 0 and rounds[3] > 0, rounds
+    return sum(s.accepted for s in seqs) / sum(s.drafted for s in seqs)
+
+
+@pytest.mark.parametrize("buckets", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_k_zero_rounds_leave_the_draft_idle_and_catch_it_up(pair, buckets, monkeypatch):
+    """K = 0 rounds (AR steps, the draft idle) between speculative ones: greedy output still equals AR's,
+    and the draft's cache is caught up before it drafts again. With the target as its own draft every
+    proposal is accepted exactly when the draft's cache holds the right tokens; with the catch-up
+    disabled (the control) acceptance falls."""
+    from ssd_jax.decoding import sd_lag
+
+    schedule = [0, 0, 3, 0, 3, 3, 0, 0, 0, 3, 0, 3]
+    assert _acceptance(pair, schedule, buckets) > 0.97
+    sd_lag.draft_flush_program.cache_clear()
+    monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
+    try:
+        assert _acceptance(pair, schedule, buckets) < 0.8
+    finally:
+        sd_lag.draft_flush_program.cache_clear()

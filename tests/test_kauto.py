@@ -192,6 +192,35 @@ def test_online_k_follows_the_runs_acceptance():
         SpecConfig(method="sd", draft="ngram", k_plan={"alpha": 1.0}).validate()
 
 
+def test_k_zero_and_a_plan_per_batch_bucket():
+    """K = 0 (an AR round) is chosen exactly where no K is expected to beat AR; one plan per batch bucket
+    chooses by the running rows' bucket; the lookup table agrees with the exact choice."""
+    from ssd_jax.analysis.kchoice import BucketPlans
+
+    # at one row verifying is as cheap as a step; at 8 rows a verify of K + 1 tokens costs 1.7 (K = 1) to 6
+    # (K = 8) steps
+    one = KPlan.from_costs(0.6, COSTS, k0=4, zero=True)
+    eight_costs = {**COSTS, "t_verify": {"1": 1.7, "8": 6.0}}
+    eight = KPlan.from_costs(0.6, eight_costs, k0=1, zero=True)
+    assert one.choose(0.6) == 4 and eight.choose(0.6) == 0 and eight.speedup(0.6, 0) == 1.0
+    assert max(eight.speedup(0.6, k) for k in eight.ks) < 1.0 < one.speedup(0.6, 4)
+    # without K = 0 the plan keeps its least bad K; with it, K = 0 only below S(K) = 1
+    assert KPlan.from_costs(0.6, eight_costs, k0=1).choose(0.6) == 1
+    assert eight.choose(1.0) == 8 and eight.speedup(1.0, 8) > 1.0
+    for a in (0.0, 0.3, 0.6, 0.95, 1.0):
+        assert one.k_at(a) == one.choose(a) and eight.k_at(a) == eight.choose(a)
+    plans = BucketPlans(((1, one), (2, one), (8, eight)))
+    assert [plans.choose(0.6, b) for b in (1, 2, 3, 8, None)] == [4, 4, 0, 0, 0]
+    assert plans.ks == (1, 2, 4, 8) and plans.zero and plans.alpha == 0.6
+    assert plans.summary().startswith("1: K=4 ") and plans.summary().endswith("8: K=0 (AR)")
+    on = OnlineK(plans, 1)
+    assert (on.k_for(1), on.k_for(8)) == (4, 0)
+    for _ in range(30):  # every proposal accepted: speculation pays at 8 rows too
+        on.update(4, np.array([True]), np.array([4]), np.array([4]))
+    assert on.k_for(8) > 0 and on.k_for(1) == 8
+    assert SpecConfig(method="sd", draft="ngram", k=1, k_plan=plans).extra_cache_slots == 8 + 1
+
+
 @pytest.mark.parametrize("drafter", ["unrelated", "ngram", "target"])
 def test_adaptive_k_greedy_equals_ar(pair, ar_ref, drafter):
     """K re-chosen every round: greedy output still equals AR. An unrelated draft starts at K = 8 and

@@ -146,10 +146,12 @@ def servers(pair):
         assert "(auto: alpha" in errs["sd"][1]  # the start-up line reports the K it chose
         import re
 
-        expected = float(re.search(r"expected ([0-9.]+)x AR", errs["sd"][1]).group(1))
-        assert ("--method ar may serve faster" in errs["sd"][1]) == (
-            expected < 1.0
-        )  # warned iff SD should lose
+        # K by running rows: each batch bucket's K (0: AR rounds) and its expected speedup
+        plans = re.search(r"by running rows ((?:\d+: K=\d+(?: [0-9.]+x| \(AR\))(?:, )?)+);", errs["sd"][1])
+        assert plans is not None, errs["sd"][1][-2000:]
+        assert [int(b) for b in re.findall(r"(\d+): K=", plans.group(1))] == [2, 4]
+        for k, x in re.findall(r"K=(\d+)(?: ([0-9.]+)x)?", plans.group(1)):
+            assert (k == "0") == (x == "") and (k == "0" or float(x) >= 1.0)  # K > 0 only where it pays
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for _, err in errs.values():

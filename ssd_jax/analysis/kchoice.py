@@ -24,6 +24,7 @@ distribution does not change, and a seeded run gives the same tokens every time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Mapping
 
@@ -33,6 +34,7 @@ from ssd_jax.analysis.sdsl import expected_tokens
 
 __all__ = [
     "ADAPTIVE_KS",
+    "BucketPlans",
     "K_MAX",
     "KPlan",
     "OnlineK",
@@ -48,6 +50,8 @@ K_MAX = 8
 ADAPTIVE_KS = (1, 2, 4, 8)
 #: the calibration's α counts as this many proposals in the online estimate
 PRIOR_WEIGHT = 8.0
+#: α steps of a plan's lookup table (KPlan.table)
+GRID = 1000
 
 
 def interpolate_verify(measured: Mapping[int, float], ks=range(1, K_MAX + 1)) -> dict[int, float]:
@@ -99,9 +103,9 @@ class KPlan:
     ks: tuple[int, ...] = ADAPTIVE_KS
 
     @classmethod
-    def from_costs(cls, alpha: float, costs: Mapping, k0: int, ks=ADAPTIVE_KS) -> KPlan:
+    def from_costs(cls, alpha: float, costs: Mapping, k0: int, ks=ADAPTIVE_KS, zero: bool = False) -> KPlan:
         """From a calibration record's α and ``costs`` (``t_verify`` keyed by K, as strings or ints);
-        ``k0``, the calibrated choice, is one of the candidates."""
+        ``k0``, the calibrated choice, is one of the candidates; ``zero``: K = 0 is one too."""
         tv = interpolate_verify({int(k): float(v) for k, v in costs["t_verify"].items()})
         return cls(
             float(alpha),
@@ -110,27 +114,90 @@ class KPlan:
             float(costs["t_draft_step"]),
             float(costs["c_round"]),
             tuple(sorted({*ks, int(k0)})),
+            zero,
         )
 
-    def choose(self, alpha: float) -> int:
-        """The best K among ``ks`` at acceptance ``alpha``."""
-        return best_k(
-            expected_speedups(
-                min(max(alpha, 0.0), 1.0),
-                self.t_ar,
-                dict(self.t_verify),
-                self.t_draft_step,
-                self.c_round,
-                ks=self.ks,
-            )
+    #: K = 0 (a plain AR round, the draft idle) is a candidate: chosen when no K is expected to pay
+    zero: bool = False
+
+    def choose(self, alpha: float, bucket: int | None = None) -> int:
+        """The best K among ``ks`` at acceptance ``alpha`` (0 when ``zero`` and none beats AR; S(0) = 1).
+        ``bucket`` is ignored (one plan for every batch size; see :class:`BucketPlans`)."""
+        sp = expected_speedups(
+            min(max(alpha, 0.0), 1.0),
+            self.t_ar,
+            dict(self.t_verify),
+            self.t_draft_step,
+            self.c_round,
+            ks=self.ks,
         )
+        k = best_k(sp)
+        return 0 if self.zero and sp[k] < 1.0 else k
+
+    def speedup(self, alpha: float, k: int) -> float:
+        """S(K) at acceptance ``alpha`` (S(0) = 1: an AR round)."""
+        if k == 0:
+            return 1.0
+        return expected_speedups(
+            alpha, self.t_ar, dict(self.t_verify), self.t_draft_step, self.c_round, ks=(k,)
+        )[k]
+
+    @functools.cached_property
+    def table(self) -> np.ndarray:
+        """:meth:`choose` at α = 0, 1/GRID, ..., 1: a round's K is one lookup (no host arithmetic per round)."""
+        return np.array([self.choose(i / GRID) for i in range(GRID + 1)], np.int32)
+
+    def k_at(self, alpha: float, bucket: int | None = None) -> int:
+        """:meth:`choose` at α rounded to the grid (:attr:`table`)."""
+        return int(self.table[int(round(min(max(alpha, 0.0), 1.0) * GRID))])
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlans:
+    """One :class:`KPlan` per batch bucket (``slots.batch_buckets``): a round's K is chosen by the plan
+    of the smallest bucket that holds its running rows, each calibrated at that many rows, so a lone
+    request speculates with the K that pays at one row and a full batch with the K (possibly 0) that pays
+    at all of them. The α estimate is shared (the calibrations measure it on the same continuation)."""
+
+    plans: tuple[tuple[int, KPlan], ...]  # (bucket, plan), buckets ascending
+
+    def plan(self, bucket: int | None) -> KPlan:
+        if bucket is None:
+            return self.plans[-1][1]
+        return next((p for b, p in self.plans if b >= bucket), self.plans[-1][1])
+
+    @property
+    def alpha(self) -> float:
+        return self.plans[-1][1].alpha
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        return tuple(sorted({k for _, p in self.plans for k in p.ks}))
+
+    @property
+    def zero(self) -> bool:
+        return any(p.zero for _, p in self.plans)
+
+    def choose(self, alpha: float, bucket: int | None = None) -> int:
+        return self.plan(bucket).choose(alpha)
+
+    def summary(self) -> str:
+        """Each bucket's K at the calibrated α and its expected speedup, e.g. "1: K=4 1.52x, 8: K=0 (AR)"."""
+        out = []
+        for b, p in self.plans:
+            k = p.choose(p.alpha)
+            out.append(f"{b}: K=0 (AR)" if k == 0 else f"{b}: K={k} {p.speedup(p.alpha, k):.2f}x")
+        return ", ".join(out)
+
+    def k_at(self, alpha: float, bucket: int | None = None) -> int:
+        return self.plan(bucket).k_at(alpha)
 
 
 class OnlineK:
     """The K of each round of an adaptive run (see the module docstring). ``update`` after each
     round read, ``k`` for the next round dispatched; ``metrics()`` for the run's metrics."""
 
-    def __init__(self, plan: KPlan, k0: int):
+    def __init__(self, plan: KPlan | BucketPlans, k0: int):
         self.plan, self.k = plan, int(k0)
         self.accepted = self.rejections = 0
         self.rounds: Counter[int] = Counter()
@@ -148,7 +215,14 @@ class OnlineK:
         a, d = n_acc[m], n_draft[m]
         self.accepted += int(a.sum())
         self.rejections += int((a < d).sum())
-        self.k = self.plan.choose(self.alpha)
+        self.k = self.plan.k_at(self.alpha)
+
+    def k_for(self, bucket: int | None) -> int:
+        """The next round's K at ``bucket`` running rows: ``k`` with one plan, else the bucket's plan at
+        the current α (a table lookup)."""
+        if isinstance(self.plan, BucketPlans):
+            return self.plan.k_at(self.alpha, bucket)
+        return self.k
 
     def metrics(self) -> dict:
         n = sum(self.rounds.values())

@@ -114,17 +114,18 @@ def _simulate_alpha(seq: np.ndarray, start: int, propose) -> tuple[int, int]:
     return acc, rej
 
 
-def target_part(model, batch: int) -> dict:
+def target_part(model, batch: int, seq: np.ndarray | None = None) -> dict:
     """The target's side of a calibration: its greedy continuation of every calibration prompt
-    (``seq``, one row each, whatever the batch: what α and the ranks are measured on), and at the
-    run's ``batch`` rows ``t_ar`` and ``t_verify`` (the same for every draft)."""
+    (``seq``, one row each, whatever the batch: what α and the ranks are measured on; given, it is
+    reused), and at the run's ``batch`` rows ``t_ar`` and ``t_verify`` (the same for every draft)."""
     n_gen = max(0, min(N_GEN, model.cfg.max_position_embeddings - P_LEN - 2 * K_MAX - 2))
     max_len = P_LEN + n_gen + 2 * K_MAX + 2
     put = functools.partial(put_on, model)
     R, B = N_CAL_ROWS, batch
-    seq = np.zeros((R, P_LEN + 1 + n_gen), np.int32)  # prompt, then the target's greedy continuation
-    seq[:, :P_LEN] = _cal_ids(model, R)
-    _step_through(model, seq, P_LEN - 1, max_len, generate=True)
+    if seq is None:
+        seq = np.zeros((R, P_LEN + 1 + n_gen), np.int32)  # prompt, then the target's greedy continuation
+        seq[:, :P_LEN] = _cal_ids(model, R)
+        _step_through(model, seq, P_LEN - 1, max_len, generate=True)
     seq_b = _timing_rows(seq, B)
     _, t_ar, cache = _step_through(model, seq_b, P_LEN, max_len, generate=False, timing=True)
     score, _ = sd_steps(model.cfg, False)

@@ -50,7 +50,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ssd_jax.analysis.kchoice import K_MAX, KPlan, best_k, expected_speedups, interpolate_verify
+from ssd_jax.analysis.kchoice import K_MAX, BucketPlans, KPlan, best_k, expected_speedups, interpolate_verify
 from ssd_jax.decoding.calibration import ALPHA_PRIOR, CAL_TEXTS, calibrate, draft_part, target_part
 from ssd_jax.drafters.base import check_same_tokenizer
 from ssd_jax.loading.registry import cache_root
@@ -142,9 +142,10 @@ def _record(model, spec, draft, batch: int, target: dict) -> tuple[dict, str, Pa
     complete = rec is not None and (not rows or "t_draft_rows" in rec["costs"])
     if complete and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
         return rec, "cache", path
-    if "part" not in target:
-        target["part"] = target_part(model, batch)
-    rec = {**fields, **draft_part(spec, draft, target["part"], rand_vocab, rows)}
+    if ("part", batch) not in target:  # the continuation is the same at every batch size: made once
+        target[("part", batch)] = target_part(model, batch, seq=target.get("seq"))
+        target["seq"] = target[("part", batch)]["seq"]
+    rec = {**fields, **draft_part(spec, draft, target[("part", batch)], rand_vocab, rows)}
     _write_atomic(path, rec)
     return rec, "measured", path
 
@@ -203,11 +204,21 @@ def _speedups(rec: dict) -> dict[int, float]:
     )
 
 
-def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = None):
+def _bucket_plan(model, spec, draft, bucket: int, full, batch: int, target: dict) -> tuple[int, KPlan]:
+    """(bucket, its plan): the calibration at ``bucket`` rows (``full``, the plan at ``batch``, for it)."""
+    if bucket == batch:
+        return bucket, full
+    rec, _, _ = _record(model, spec, draft, bucket, target)
+    return bucket, KPlan.from_costs(rec["alpha"], rec["costs"], best_k(_speedups(rec)), zero=True)
+
+
+def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = None, buckets=()):
     """(spec with an integer k, the ``k_auto`` metric or None, seconds spent) for a run of ``batch`` rows.
 
     Only ``k == "auto"`` with SD / SSD does anything; a draft named by a string is loaded here
-    (once: the loaded model goes into the returned spec)."""
+    (once: the loaded model goes into the returned spec). ``buckets``: the engine's batch buckets; with
+    several, one-device SD gets a plan per bucket (:class:`~ssd_jax.analysis.kchoice.BucketPlans`),
+    each calibrated at that many rows."""
     if spec.k != "auto":
         return spec, None, 0.0
     if spec.method == "ar":
@@ -218,7 +229,8 @@ def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = Non
         check_same_tokenizer(model, draft)
         spec = dataclasses.replace(spec, draft=draft)
     t0 = time.perf_counter()
-    rec, source, path = _record(model, spec, draft, batch, {} if target is None else target)
+    target = {} if target is None else target
+    rec, source, path = _record(model, spec, draft, batch, target)
     c = rec["costs"]
     sp = _speedups(rec)
     k = best_k(sp)
@@ -228,8 +240,15 @@ def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = Non
         if spec.fan_out == "geometric" and spec.fan_out_budget is None:
             spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
         extra = {"ssd_plan": best, "ssd_overlap_model": _two_meshes(spec)}
-    # SD re-chooses K each round from its own acceptance (kchoice.OnlineK); SSD's fan-out fixes K
-    plan = KPlan.from_costs(rec["alpha"], c, k) if spec.method == "sd" else None
+    # SD re-chooses K each round from its own acceptance (kchoice.OnlineK), K = 0 (an AR round) among the
+    # candidates, and by the running rows' batch bucket when the engine has several; SSD's fan-out fixes K
+    plan = None
+    if spec.method == "sd":
+        plan = KPlan.from_costs(rec["alpha"], c, k, zero=True)
+        if len(buckets) > 1 and not _two_meshes(spec):
+            plan = BucketPlans(
+                tuple(_bucket_plan(model, spec, draft, b, plan, batch, target) for b in buckets)
+            )
     info = {
         **extra,
         "alpha": rec["alpha"],

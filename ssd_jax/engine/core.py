@@ -100,6 +100,7 @@ class RoundOut:
     n_draft: np.ndarray  # (B,) proposals verified (0 for AR)
     hit: np.ndarray | None = None  # (B,) SSD: the verified speculation came from the cache
     logprobs: HostLogprobs | None = None  # when a row asked: the target's, per emitted token
+    k: int | None = None  # SD: the round's K (0: an AR round)
 
 
 @dataclasses.dataclass
@@ -108,6 +109,7 @@ class Pending:
 
     handle: Any
     seqs: list[Sequence | None]
+    bucket: int = 0  # the rows it ran (its batch bucket)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +248,14 @@ class Engine:
             top = max(b for b, s in enumerate(seqs) if s is not None) + 1  # every running row lies below it
             bucket = next(b for b in self.method.buckets if b >= top)
         self.bucket_rounds[bucket] += 1
-        return Pending(self.method.dispatch(live, self._window(need), mode, bucket), seqs)
+        return Pending(self.method.dispatch(live, self._window(need), mode, bucket), seqs, bucket)
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
         self.rounds += 1
         if self.method.speculates:
             self.stats.update(live, out.n_emit - 1, out.n_draft, hit=out.hit)
             if self.metrics is not None:
-                self.metrics.spec_round(out.n_emit[live] - 1, out.n_draft[live])
+                self.metrics.spec_round(out.n_emit[live] - 1, out.n_draft[live], out.k, rnd.bucket)
         for b in np.flatnonzero(live):
             s = rnd.seqs[b]
             s.drafted += int(out.n_draft[b])

@@ -57,8 +57,11 @@ A seeded request equals offline ``generate`` of that prompt with the same seed, 
 batch: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
 
 ``--k auto`` (the default) is resolved at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
-measured stage costs and the draft's acceptance at ``--max-batch`` rows, cached on disk); SD on one
-device then re-chooses K every round from the acceptance seen so far, as offline.
+measured stage costs and the draft's acceptance, cached on disk), at ``--max-batch`` rows and at every
+batch bucket. SD on one device then chooses each round's K from the plan of the round's bucket and the
+acceptance seen so far (:class:`~ssd_jax.analysis.kchoice.BucketPlans`), K = 0 (an AR round, the draft
+idle and caught up later, :mod:`ssd_jax.decoding.sd_lag`) where no K is expected to pay; the rounds
+run per K and bucket are in ``/metrics`` (``spec_decode_num_rounds``). ``--k N`` fixes K.
 
 SSD over HTTP
 -------------

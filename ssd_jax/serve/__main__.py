@@ -160,20 +160,35 @@ def _prepared_draft(args, spec, model):
 
 
 def _resolved_k(args, spec, model, draft):
-    """(spec with K fixed, the start-up line's note on it): K auto is measured (or read from the cache)
-    for this pair at --max-batch rows; a warning when even its best K is expected to lose to AR."""
+    """(spec with K resolved, the start-up line's note on it): K auto is measured (or read from the cache)
+    for this pair at --max-batch rows and at each batch bucket; SD chooses K per round by the running rows'
+    bucket, K = 0 (AR rounds) where no K is expected to pay. A warning where SSD (K fixed) is expected to
+    lose to AR."""
     if spec.method == "ar" or spec.k != "auto":
         return spec, ""
     from ssd_jax import load_model
+    from ssd_jax.analysis.kchoice import BucketPlans
     from ssd_jax.decoding.kauto import resolve_k
+    from ssd_jax.decoding.slots import batch_buckets
     from ssd_jax.sampling.filters import SamplingParams
 
     with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
-    resolved, info, _ = resolve_k(model, with_draft, SamplingParams(), args.max_batch, load_model)
+    buckets = batch_buckets(args.max_batch, args.batch_buckets)
+    resolved, info, _ = resolve_k(
+        model, with_draft, SamplingParams(), args.max_batch, load_model, buckets=buckets
+    )
     spec = dataclasses.replace(
         spec, k=int(resolved.k), k_plan=resolved.k_plan, fan_out_budget=resolved.fan_out_budget
     )
+    plan = resolved.k_plan
+    if isinstance(plan, BucketPlans):
+        return spec, f" (auto: alpha {info['alpha']:.2f}; by running rows {plan.summary()}; {info['source']})"
     expected = info["expected_speedup_by_k"][str(spec.k)]
+    if plan is not None and plan.choose(plan.alpha) == 0:
+        return (
+            spec,
+            f" (auto: alpha {info['alpha']:.2f}, K=0: AR rounds until acceptance pays; {info['source']})",
+        )
     if expected < 1.0:
         print(
             f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "

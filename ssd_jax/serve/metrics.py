@@ -55,6 +55,12 @@ class Metrics:
         )
         for j in range(k):
             self.accepted_per_pos.labels(position=str(j))
+        self.rounds = Counter(
+            "ssd_jax:spec_decode_num_rounds",
+            "Speculative rounds by their K (0: an AR round, the draft idle) and batch bucket (rows run)",
+            ["k", "batch"],
+            registry=r,
+        )
         self.cache_lookups = Counter(
             "ssd_jax:spec_decode_num_cache_lookups",
             "SSD: speculation-cache lookups (one per running row per round)",
@@ -83,8 +89,10 @@ class Metrics:
         self.requests.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
 
-    def spec_round(self, n_acc, n_draft) -> None:
-        """One SD round over the running rows."""
+    def spec_round(self, n_acc, n_draft, k: int | None = None, bucket: int = 0) -> None:
+        """One SD round over the running rows (``k``: its K where the method reports it)."""
+        if k is not None:
+            self.rounds.labels(k=str(k), batch=str(bucket)).inc()
         self.drafts.inc(len(n_acc))
         self.draft_tokens.inc(int(n_draft.sum()))
         self.accepted.inc(int(n_acc.sum()))

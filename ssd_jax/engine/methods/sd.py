@@ -12,6 +12,7 @@ import numpy as np
 
 from ssd_jax.analysis.kchoice import OnlineK
 from ssd_jax.compile import Compiled
+from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.sd import host_width, sd_round_program, sd_steps
 from ssd_jax.decoding.sd_two_mesh import sd_two_mesh_programs
 from ssd_jax.decoding.slots import Rows, draft_prefill_program
@@ -55,9 +56,12 @@ class SD(Method):
         self.K = int(spec.k)
         plan = spec.k_plan if self.kind != "random" else None
         self.sched = OnlineK(plan, self.K) if plan is not None else None
-        # the Ks the plan can pick at some acceptance (programs for the others would never run)
-        ks = {self.K} | ({plan.choose(a) for a in np.linspace(0.0, 1.0, 101)} if plan is not None else set())
+        # the Ks the plan can pick at some acceptance (programs for the others would never run); K = 0 is
+        # an AR round (for a draft model: with the draft idle, ``ssd_jax.decoding.sd_lag``)
+        tables = [p.table for _, p in getattr(plan, "plans", ((None, plan),))] if plan is not None else []
+        ks = {self.K}.union(*(set(t.tolist()) for t in tables))
         self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
+        self.lags = self.kind == "model" and 0 in self.widths
         self.k_max = max(self.widths)
         self.extra_slots = self.k_max + 1
         self.empty_rounds = 0
@@ -69,6 +73,11 @@ class SD(Method):
         self._progs: dict = {}
         self._full = {k: np.full(self.B, k, np.int32) for k in self.widths}
         self.history = [np.zeros(0, np.int32)] * self.B
+        if self.lags:  # what an idle draft has not seen, per row, and K = 0 rounds since the last flush
+            self.lag = self.put(np.zeros((self.B, sd_lag.LAG_MAX), np.int32))
+            self.lag_n = self.put(np.zeros(self.B, np.int32))
+            self.lag_rounds = 0
+            self._reset_lag = Compiled(sd_lag.reset_lag, donate_argnums=(0,), name="reset_lag")
 
     def _program(self, w: int, mode, window, bucket=None):
         key = (w, mode, window, bucket)
@@ -106,7 +115,47 @@ class SD(Method):
                 for k in self.widths:
                     z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
                     for b in self.buckets:
+                        if k == 0 and self.lags:
+                            self._lag_program(mode, w, b).precompile(*self._lag_args(off, mode))
+                            for width in sd_lag.LAG_WIDTHS:
+                                self._flush_program(width, w, b).precompile(*self._flush_args())
+                            continue
                         self._program(k, mode, w, b).precompile(*self._round_args(off, *z, mode))
+        if self.lags:
+            self._reset_lag.precompile(self.lag_n, self.put(off))
+
+    def _lag_program(self, mode, window, bucket):
+        nf = mode.needs_filter and not mode.greedy
+        return sd_lag.sd_lag_round_program(
+            self.model.cfg, nf, mode.greedy, self.window(window), self.bucket(bucket)
+        )
+
+    def _lag_args(self, live, mode):
+        return (self.model.params, self.tcache, self.round_rows(mode), self.catch, self.active(live), self.lag,
+                self.lag_n)  # fmt: skip
+
+    def _flush_program(self, width, window, bucket):
+        return sd_lag.draft_flush_program(self.draft.cfg, width, self.window(window), self.bucket(bucket))
+
+    def _flush_args(self):
+        return self.draft.params, self.dcache, self.lag, self.lag_n
+
+    def _flush(self, window, bucket) -> None:
+        """The idle draft's cache level with the target's (queued on the device; the host does not wait)."""
+        prog = self._flush_program(sd_lag.lag_width(self.lag_rounds), window, bucket)
+        self.dcache, self.lag_n = prog(*self._flush_args())
+        self.lag_rounds = 0
+
+    def _lag_round(self, live, window, mode, bucket) -> SDRound:
+        """A K = 0 round: an AR step, the draft idle (its missed tokens recorded)."""
+        if self.lag_rounds + 2 > sd_lag.LAG_MAX:  # the buffer would overflow: catch the draft up first
+            self._flush(window, bucket)
+        out, self.tcache, (cur, prev, steps), self.catch, self.lag, self.lag_n = self._lag_program(
+            mode, window, bucket
+        )(*self._lag_args(live, mode))
+        self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        self.lag_rounds += 1
+        return SDRound(out, 0, None, live, 0)
 
     def admit(self, chunks, new: Rows):
         first = np.asarray(self.admit_target(chunks, new))
@@ -117,6 +166,10 @@ class SD(Method):
                     self.draft.params, self.dcache, self.put(c.tokens), self.put(c.n_valid), self.put(c.slots),
                     self.put(c.starts),
                 )  # fmt: skip
+            if self.lags:
+                admitted = np.zeros(self.B, bool)
+                admitted[chunks[0].slots] = True
+                self.lag_n = self._reset_lag(self.lag_n, self.put(admitted))
             jax.block_until_ready(self.dcache)
         if self.kind == "host":
             for r, b in enumerate(chunks[0].slots.tolist()):
@@ -141,11 +194,16 @@ class SD(Method):
         self.empty_rounds += w == 0
         return toks, n_h, w
 
-    def next_k(self) -> int:
-        return self.sched.k if self.sched is not None else self.K
+    def next_k(self, bucket=None) -> int:
+        return self.sched.k_for(bucket) if self.sched is not None else self.K
 
     def dispatch(self, live, window, mode, bucket=None) -> SDRound:
-        k = self.next_k()
+        k = self.next_k(bucket)
+        if self.lags:
+            if k == 0:
+                return self._lag_round(live, window, mode, bucket)
+            if self.lag_rounds:
+                self._flush(window, bucket)
         if self.kind == "host":
             toks, n_h, w = self.ngram(live, k)
         else:
@@ -165,7 +223,7 @@ class SD(Method):
         if self.kind == "host":
             for b in np.flatnonzero(live):
                 self.history[b] = np.concatenate([self.history[b], emitted[b, : n_acc[b] + 1]])
-        return RoundOut(emitted, n_acc + 1, n_draft, logprobs=lps)
+        return RoundOut(emitted, n_acc + 1, n_draft, logprobs=lps, k=rnd.k)
 
     def drain(self, rnd: SDRound) -> None:
         jax.block_until_ready(rnd.out)
