@@ -28,7 +28,7 @@ def pair():
     return tiny_model(0), tiny_model(1, scale=0.16)
 
 
-def _engine(pair, spec, sp, slots, batch_buckets=1):
+def _engine(pair, spec, sp, slots, batch_buckets=1, **paged):
     target, draft = pair
     method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
     return Engine(
@@ -38,6 +38,7 @@ def _engine(pair, spec, sp, slots, batch_buckets=1):
         prefill_chunk=4,
         admit_together=False,
         batch_buckets=batch_buckets,
+        **paged,
     )
 
 
@@ -159,3 +160,46 @@ def test_k_zero_rounds_leave_the_draft_idle_and_catch_it_up(pair, buckets, monke
         assert _acceptance(pair, schedule, buckets) < 0.8
     finally:
         sd_lag.draft_flush_program.cache_clear()
+
+
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # a 20-token "system prompt"
+
+
+# AR and n-gram are slow-set here: by default test_serve's servers run paged caches over HTTP
+@pytest.mark.parametrize(
+    "method", ["sd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ar", "ngram"))]
+)
+def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
+    """A paged cache of 4-slot blocks: prompts sharing a 20-token prefix reuse its cached blocks (hits
+    counted), and a pool too small for every slot preempts the newest sequence, which is recomputed and
+    continues. Greedy output equals generate() of each prompt alone; a seeded sampled run draws the same
+    tokens paged, preempted or not (each row continues at its own step)."""
+    target, draft = pair
+    prompts = [SHARED + p for p in PROMPTS]
+    lengths = [30, 8, 25, 30, 12]
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in prompts]
+    # 3 slots of 64 positions (16 blocks each) over a pool of 17: two rows of 55 tokens (5 shared blocks and
+    # 9 of their own each) cannot both grow
+    for blocks, must_preempt in ((60, False), (17, True)):
+        engine = _engine(
+            pair, SPECS[method](draft), sp, slots=3, batch_buckets=2, kv_blocks=blocks, block_size=4
+        )
+        seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        engine.submit(seqs)
+        engine.run()
+        assert [s.row.tokens for s in seqs] == [a[:n] for a, n in zip(alone, lengths)], blocks
+        pool = engine.pages.pool
+        assert pool.hits >= 4 * 4 * 3, (pool.hits, pool.queries)  # later prompts found the shared blocks
+        assert (engine.preemptions > 0) == must_preempt, engine.preemptions
+        assert pool.n_free == pool.n_blocks and all(s.finish_reason == "length" for s in seqs)
+    hot = dataclasses.replace(sp, temperature=1.0, top_k=20, seed=3)
+    runs = []
+    for paged in ({}, {"kv_blocks": 17, "block_size": 4}):
+        engine = _engine(pair, SPECS[method](draft), hot, slots=3, **paged)
+        seqs = [Sequence(p, dataclasses.replace(hot, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
+        engine.submit(seqs)
+        engine.run()
+        runs.append([s.row.tokens for s in seqs])
+    assert runs[0] == runs[1]
+    assert engine.preemptions > 0

@@ -83,20 +83,28 @@ def report(path: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    from serve_helpers import start, stop
-
+def probe_args(report_fn, new_tokens: int) -> argparse.ArgumentParser | None:
+    """The serving probes' shared command line: ``--report FILE...`` prints ``report_fn``'s tables (and
+    gives None); otherwise a parser with the shared flags, to which the probe adds its own."""
     if sys.argv[1:2] == ["--report"]:
-        print("\n\n".join(report(p) for p in sys.argv[2:]))
-        return
+        print("\n\n".join(report_fn(p) for p in sys.argv[2:]))
+        return None
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-draft")
     ap.add_argument("--methods", nargs="+", default=["ar", "sd"])
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=new_tokens)
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main() -> None:
+    from serve_helpers import start, stop
+
+    if (ap := probe_args(report, 64)) is None:
+        return
     a = ap.parse_args()
     servers: dict = {}
     try:

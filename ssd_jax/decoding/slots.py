@@ -58,11 +58,26 @@ def set_rows(rows: Rows, slots_R, new: Rows) -> Rows:
     return jax.tree.map(lambda x, y: x.at[slots_R].set(y.astype(x.dtype)), rows, new)
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def restore_row(rows: Rows, vals) -> Rows:
+    """``rows`` with slot ``vals[0]``'s (cur, prev, steps) set to ``vals[1:]`` (a preempted sequence
+    resumed)."""
+    b = vals[0]
+    return dataclasses.replace(
+        rows,
+        cur=rows.cur.at[b].set(vals[1]),
+        prev=rows.prev.at[b].set(vals[2]),
+        steps=rows.steps.at[b].set(vals[3]),
+    )
+
+
 def gather_rows(cache: KVCache, slots_R, starts_R, whole: bool) -> KVCache:
     """Rows ``slots_R`` of ``cache`` as a batch of R, their lengths set to ``starts_R``. ``whole``
     (static): the slots are every row in order, so nothing is copied."""
     if whole:
         return cache.with_lengths(starts_R)
+    if cache.pages is not None:  # paged: the rows' block tables, the pool itself (nothing copied)
+        return KVCache(cache.k, cache.v, starts_R, cache.window, cache.pages[slots_R])
     return KVCache([x[slots_R] for x in cache.k], [x[slots_R] for x in cache.v], starts_R, cache.window)
 
 
@@ -70,6 +85,8 @@ def scatter_rows(cache: KVCache, rows: KVCache, slots_R, whole: bool) -> KVCache
     """``cache`` with rows ``slots_R`` (and their lengths) replaced by ``rows``."""
     if whole:
         return rows
+    if cache.pages is not None:  # paged: the pool was written through the rows' tables
+        return KVCache(rows.k, rows.v, cache.lengths.at[slots_R].set(rows.lengths), cache.window, cache.pages)
     return KVCache(
         [x.at[slots_R].set(r) for x, r in zip(cache.k, rows.k)],
         [x.at[slots_R].set(r) for x, r in zip(cache.v, rows.v)],

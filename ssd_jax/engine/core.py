@@ -50,6 +50,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" (the engine failed)
     drafted: int = 0
     accepted: int = 0
+    preempted: int = 0  # times it gave its slot back (paged cache full) to be recomputed later
+    resume: tuple[int, int, int] | None = None  # preempted: its (cur, prev, step) to continue from
+    order: int = -1  # when it was (last) admitted: the newest is preempted first
+    prefix_hit: int = 0  # paged: prompt tokens found in the prefix cache at its (last) admission
     # with sampling.logprobs: per token, (its log-probability, [(id, log-probability)] of the best alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
@@ -145,6 +149,9 @@ class Engine:
         context_buckets: int = 1,
         admit_together: bool = True,
         batch_buckets: int = 1,
+        kv_blocks: int | None = None,
+        block_size: int | None = None,
+        prefix_caching: bool = True,
     ):
         from ssd_jax.decoding.slots import batch_buckets as batch_buckets_of
         from ssd_jax.decoding.slots import context_windows
@@ -166,6 +173,21 @@ class Engine:
         self.bucket_rounds: collections.Counter[int] = (
             collections.Counter()
         )  # rounds dispatched per batch size
+        self.pages = self.paged = None
+        if kv_blocks is not None and method.pageable:
+            from ssd_jax.engine.blocks import BLOCK_SIZE, BlockPool, Pages
+
+            from ssd_jax.errors import UserError
+
+            bs = block_size or BLOCK_SIZE
+            if kv_blocks * bs < max_len:
+                raise UserError(
+                    f"--kv-blocks {kv_blocks} of {bs} slots hold fewer than one sequence's {max_len} slots"
+                )
+            self.paged = (kv_blocks, bs)
+            self.pages = Pages(BlockPool(kv_blocks, bs, prefix_caching), max_batch, max_len)
+        self.preemptions = 0
+        self._admitted = 0  # admissions so far (the newest running sequence is preempted first)
         self.compile_s = method.setup(self)
 
     # --- the caller's side
@@ -205,9 +227,11 @@ class Engine:
             if self.running == 0:
                 return
             self.pending = self._dispatch(0)
+            if self.pending is None:  # every running sequence was preempted (a pool smaller than a row)
+                return
         rnd, self.pending = self.pending, None
         if self._worth_queueing(1) and self.method.queues_ahead():
-            self.pending = self._dispatch(1)  # round T+1 queued before round T is read
+            self.pending = self._dispatch(1)  # round T+1 queued before round T is read (None: no blocks)
         live = np.array(
             [s is not None and not s.row.done and self.slots[b] is s for b, s in enumerate(rnd.seqs)]
         )
@@ -236,7 +260,12 @@ class Engine:
     def _window(self, need: int) -> int:
         return next((w for w in self.windows if w >= need), self.windows[-1])
 
-    def _dispatch(self, in_flight: int) -> Pending:
+    def _dispatch(self, in_flight: int) -> Pending | None:
+        """Queue a round with ``in_flight`` rounds ahead of it. Paged: every running row first gets the
+        blocks the rounds may write; short of blocks, a round queued ahead is not queued (None), and
+        otherwise the newest sequences are preempted until the others fit."""
+        if self.pages is not None and (not self._grow(in_flight) or self.running == 0):
+            return None
         seqs = list(self.slots)
         live = np.array([s is not None and not s.row.done for s in seqs])
         need = max(s.context for s in seqs if s is not None) + (in_flight + 1) * self.extra_slots + 1
@@ -248,7 +277,51 @@ class Engine:
             top = max(b for b, s in enumerate(seqs) if s is not None) + 1  # every running row lies below it
             bucket = next(b for b in self.method.buckets if b >= top)
         self.bucket_rounds[bucket] += 1
+        self._sync_pages()
         return Pending(self.method.dispatch(live, self._window(need), mode, bucket), seqs, bucket)
+
+    # --- the paged cache
+
+    def _grow(self, in_flight: int) -> bool:
+        """Blocks for what the next round may write in every running row (its context, the rounds in
+        flight and this one at their largest); with no round in flight, preempting the newest sequences
+        until the rest fit (one alone always fits: its blocks cover a whole row)."""
+        while True:
+            short = [
+                b for b, s in enumerate(self.slots)
+                if s is not None and not self.pages.grow(b, s.context + (in_flight + 1) * self.extra_slots + 1)
+            ]  # fmt: skip
+            if not short:
+                return True
+            if in_flight:
+                return False
+            self._preempt(max((b for b, s in enumerate(self.slots) if s is not None), key=self._admission))
+
+    def _admission(self, b: int) -> int:
+        return self.slots[b].order
+
+    def _cached_tokens(self, s: Sequence) -> list[int]:
+        """The tokens in ``s``'s cache rows: its prompt and every token but the last (``cur``)."""
+        return list(s.prompt_ids) + (s.row.tokens[:-1] if s.row is not None else [])
+
+    def _preempt(self, b: int) -> None:
+        """Give slot ``b``'s sequence's blocks back and queue it first, to be recomputed: re-admitted, its
+        prompt and tokens so far are prefilled (mostly from the prefix cache) and it continues from its
+        last token at its own step, so it draws the same tokens as if never preempted."""
+        s = self.slots[b]
+        cur, prev, step = self.method.row_state(b)
+        s.resume, s.preempted = (cur, prev, step), s.preempted + 1
+        cached = self._cached_tokens(s)
+        self.pages.release(b, cached, len(cached))
+        self.slots[b] = None
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.preempted()
+
+    def _sync_pages(self) -> None:
+        if self.pages is not None and (table := self.pages.take_table()) is not None:
+            self.method.set_pages(table)
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
         self.rounds += 1
@@ -277,6 +350,9 @@ class Engine:
     def _free(self, b: int, reason: str) -> None:
         s = self.slots[b]
         self.slots[b] = None
+        if self.pages is not None:  # its full blocks stay cached for later prompts that share them
+            cached = self._cached_tokens(s)
+            self.pages.release(b, cached, len(cached))
         self._finish(s, reason)
 
     def _finish(self, s: Sequence, reason: str) -> None:
@@ -294,6 +370,10 @@ class Engine:
 
     def fail_all(self, reason: str = "error") -> None:
         """Every sequence in a slot or waiting ends with ``reason`` (the engine failed)."""
+        if self.pages is not None:
+            for b, s in enumerate(self.slots):
+                if s is not None:
+                    self.pages.release(b, [], 0)
         pending = [s for s in self.slots if s is not None] + list(self.waiting)
         self.slots, self.waiting, self.pending = [None] * self.B, collections.deque(), None
         for s in pending:
@@ -310,6 +390,13 @@ class Engine:
             if s.cancelled:
                 self._finish(s, "cancelled")
                 continue
+            if self.pages is not None:
+                tokens = self._cached_tokens(s) if s.resume is not None else s.prompt_ids
+                hit = self.pages.admit(free[0], tokens, 2 * self.extra_slots + 1)
+                if hit is None:  # too few blocks free: it waits (first) for a sequence to end
+                    self.waiting.appendleft(s)
+                    break
+                s.prefix_hit = hit
             group.append((free.pop(0), s))
             if not self.admit_together:
                 self._admit_group(group)
@@ -321,11 +408,26 @@ class Engine:
         slots = np.array([b for b, _ in group], np.int32)
         seqs = [s for _, s in group]
         new = self._new_rows(seqs)
-        first, lps = self.method.admit(self.chunks(slots, [s.prompt_ids for s in seqs]), new)
+        prompts = [self._cached_tokens(s) if s.resume is not None else s.prompt_ids for s in seqs]
+        hits = [s.prefix_hit for s in seqs] if self.pages is not None else None
+        self._sync_pages()
+        first, lps = self.method.admit(self.chunks(slots, prompts, hits), new)
+        if self.pages is not None:
+            for b, p in zip(slots.tolist(), prompts):
+                self.pages.name(b, p, len(p))  # the prompt's full blocks, for later prompts to share
+            if self.metrics is not None:
+                self.metrics.prefix_cache(self.pages.pool)
         now = time.perf_counter()
         for r, ((b, s), tok) in enumerate(zip(group, first.tolist())):
             self.slots[b] = s
-            s.slot = b
+            s.slot, s.order = b, self._admitted
+            self._admitted += 1
+            if (
+                s.resume is not None
+            ):  # a preempted sequence: it continues where it was (its first token is not new)
+                self.method.restore(b, *s.resume)
+                s.resume = None
+                continue
             s.row = RowState(s.prompt, s.prompt_ids, self.model, s.sampling, self.eos)
             s.first_token_at = now
             if s.sampling.logprobs is not None:
@@ -356,20 +458,25 @@ class Engine:
             ),
         )
 
-    def chunks(self, slots: np.ndarray, prompts: list[list[int]]) -> list[Chunk]:
-        """The prefill calls of rows admitted together: chunk j holds tokens [j*C, (j+1)*C) of each
-        prompt, its width the chunk size (or, for whole prompts, the longest padded to a power of two)."""
+    def chunks(
+        self, slots: np.ndarray, prompts: list[list[int]], skip: list[int] | None = None
+    ) -> list[Chunk]:
+        """The prefill calls of rows admitted together: chunk j holds tokens [o + j*C, o + (j+1)*C) of each
+        prompt, o its ``skip`` (tokens already cached: a shared prefix; default 0), the width the chunk
+        size (or, for whole prompts, the longest rest padded to a power of two)."""
         lens = np.array([len(p) for p in prompts], np.int32)
+        offs = np.zeros(len(prompts), np.int32) if skip is None else np.asarray(skip, np.int32)
         whole = len(slots) == self.B and bool((slots == np.arange(self.B)).all())
-        out, start = [], 0
-        while start < lens.max():
-            rest = int(lens.max()) - start
-            width = self.C if self.C is not None else prompt_bucket(rest)
+        out, j = [], 0
+        rest_max = int((lens - offs).max())
+        while j < rest_max:
+            width = self.C if self.C is not None else prompt_bucket(rest_max - j)
             tokens = np.zeros((len(slots), width), np.int32)
-            n_valid = np.clip(lens - start, 0, width).astype(np.int32)
+            begin = offs + j
+            n_valid = np.clip(lens - begin, 0, width).astype(np.int32)
             for r, p in enumerate(prompts):
-                tokens[r, : n_valid[r]] = p[start : start + n_valid[r]]
-            starts = np.where(n_valid > 0, start, lens).astype(np.int32)
-            out.append(Chunk(slots, tokens, n_valid, starts, whole, self._window(start + width)))
-            start += width
+                tokens[r, : n_valid[r]] = p[begin[r] : begin[r] + n_valid[r]]
+            starts = np.where(n_valid > 0, begin, lens).astype(np.int32)
+            out.append(Chunk(slots, tokens, n_valid, starts, whole, self._window(int(begin.max()) + width)))
+            j += width
         return out

@@ -42,23 +42,37 @@ class KVCache:
     step at context 200 costs 86 ms with a 256-slot window, 162 ms over 1024 slots).
 
     ``lengths`` may cover only the first rows of the buffers (a batch bucket: :func:`bucket_view`):
-    :func:`forward` then runs those rows only, writing their keys and values in place."""
+    :func:`forward` then runs those rows only, writing their keys and values in place.
+
+    Paged (``pages`` set, :func:`init_paged_cache`): the buffers are a pool of blocks ``(N, bs, KVH,
+    hd)`` and ``pages`` (B, P) is each row's block table: slot ``s`` of row ``b`` lives at block
+    ``pages[b, s // bs]``, offset ``s % bs``. An entry ``N`` (or beyond) is no block: writes there are
+    dropped (a free row, or slots past what a row was given). Rows share blocks by naming the same
+    ones (a cached prompt prefix, ``ssd_jax.engine.blocks``); a row in a bucket, a prefill of some
+    rows, a window: a view of the table, never a copy of keys and values."""
 
     k: list[jax.Array]
     v: list[jax.Array]
     lengths: jax.Array  # (B,) int32
     window: int | None = dataclasses.field(default=None, metadata={"static": True})
+    pages: jax.Array | None = None  # (B, P) int32 block table of a paged cache
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
     @property
+    def block_size(self) -> int | None:
+        return None if self.pages is None else self.k[0].shape[1]
+
+    @property
     def max_len(self) -> int:
+        if self.pages is not None:
+            return self.pages.shape[1] * self.k[0].shape[1]
         return self.k[0].shape[1]
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
-        return KVCache(self.k, self.v, lengths.astype(jnp.int32), self.window)
+        return KVCache(self.k, self.v, lengths.astype(jnp.int32), self.window, self.pages)
 
     def with_window(self, window: int | None) -> KVCache:
         return dataclasses.replace(self, window=window)
@@ -67,7 +81,10 @@ class KVCache:
 def bucket_view(cache: KVCache | None, b: int | None) -> KVCache | None:
     """The first ``b`` rows of ``cache`` (their lengths; the buffers stay whole, so writes land in place);
     ``b`` None: the cache itself."""
-    return cache if cache is None or b is None else cache.with_lengths(cache.lengths[:b])
+    if cache is None or b is None:
+        return cache
+    pages = None if cache.pages is None else cache.pages[:b]
+    return KVCache(cache.k, cache.v, cache.lengths[:b], cache.window, pages)
 
 
 def bucket_merge(full: KVCache | None, part: KVCache | None, b: int | None) -> KVCache | None:
@@ -75,7 +92,7 @@ def bucket_merge(full: KVCache | None, part: KVCache | None, b: int | None) -> K
     lengths replaced."""
     if full is None or b is None:
         return part
-    return KVCache(part.k, part.v, full.lengths.at[:b].set(part.lengths), part.window)
+    return KVCache(part.k, part.v, full.lengths.at[:b].set(part.lengths), part.window, full.pages)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -86,6 +103,29 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
         v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
         lengths=jnp.zeros((batch,), jnp.int32),
     )
+
+
+def init_paged_cache(cfg: ModelConfig, batch: int, max_len: int, n_blocks: int, block_size: int, dtype=None):
+    """A paged cache: a pool of ``n_blocks`` blocks of ``block_size`` slots per layer, and a block table
+    of ``ceil(max_len / block_size)`` entries per row, every entry empty (``n_blocks``)."""
+    dtype = dtype or cfg.jnp_dtype
+    shape = (n_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    per_row = -(-max_len // block_size)
+    return KVCache(
+        k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+        lengths=jnp.zeros((batch,), jnp.int32),
+        pages=jnp.full((batch, per_row), n_blocks, jnp.int32),
+    )
+
+
+def paged_write(
+    pool: jax.Array, pages: jax.Array, slots_BxT: jax.Array, x_BxTxKVHxhd: jax.Array
+) -> jax.Array:
+    """Write ``x`` at each row's ``slots`` through its block table (slots without a block: dropped)."""
+    bs = pool.shape[1]
+    blk = jnp.take_along_axis(pages, slots_BxT // bs, axis=1, mode="fill", fill_value=pool.shape[0])
+    return pool.at[blk, slots_BxT % bs].set(x_BxTxKVHxhd.astype(pool.dtype), mode="drop")
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -148,7 +188,9 @@ def causal_slot_mask(slots_BxT: jax.Array, max_len: int) -> jax.Array:
     return jnp.arange(max_len)[None, None, :] <= slots_BxT[:, :, None]
 
 
-def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_cache, inv_freq, window=None):
+def _attention(
+    layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_cache, inv_freq, window=None, pages=None
+):
     B, T, _ = x.shape
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     D = x.shape[-1]
@@ -161,15 +203,20 @@ def _attention(layer, cfg: ModelConfig, x, positions, slots, mask, k_cache, v_ca
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     G = H // KVH
     q = q.reshape(B, T, KVH, G, hd)
     mask = mask if window is None else mask[..., :window]
+    scale = 1.0 / math.sqrt(hd)
+    if pages is not None:  # a paged cache: write and read through the rows' block tables
+        k_cache, v_cache = paged_write(k_cache, pages, slots, k), paged_write(v_cache, pages, slots, v)
+        out = kernels.paged_attention(q, k_cache, v_cache, pages, mask, scale)
+        return matmul(out.reshape(B, T, H * hd), layer["wo"], fm.o, D), k_cache, v_cache
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    k_cache = k_cache.at[rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     # over the first B rows (a batch bucket) and ``window`` slots of the whole cache, written in place
     # above: the CPU kernel for a few new tokens (float32, one device), else XLA's einsums
-    out = kernels.attention(q, k_cache, v_cache, mask, 1.0 / math.sqrt(hd))
+    out = kernels.attention(q, k_cache, v_cache, mask, scale)
     return matmul(out.reshape(B, T, H * hd), layer["wo"], fm.o, D), k_cache, v_cache
 
 
@@ -212,6 +259,7 @@ def forward(
             cache.v[i],
             inv_freq,
             cache.window,
+            cache.pages,
         )
         new_k.append(kc)
         new_v.append(vc)
@@ -221,7 +269,7 @@ def forward(
         u = matmul(h, layer["w_up"], cfg.forms.up)
         x = x + matmul(jax.nn.silu(g) * u, layer["w_down"], cfg.forms.down)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, KVCache(new_k, new_v, cache.lengths, cache.window)
+    return x, KVCache(new_k, new_v, cache.lengths, cache.window, cache.pages)
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -18,7 +18,15 @@ from ssd_jax.models import llama
 from ssd_jax.parallel.distributed import Bridge, host_value, local_copy, multi_process
 
 
-def cache_for(model, batch: int, max_len: int) -> llama.KVCache:
+def cache_for(model, batch: int, max_len: int, paged: tuple[int, int] | None = None) -> llama.KVCache:
+    """The model's KV cache for ``batch`` rows of ``max_len`` slots; ``paged`` (blocks, block size): a
+    paged cache (one device only)."""
+    if paged is not None:
+        if model.mesh is not None and model.mesh.size > 1:
+            raise ValueError("a paged KV cache runs on one device")
+        return jax.tree.map(
+            lambda x: put_on(model, x), llama.init_paged_cache(model.cfg, batch, max_len, *paged)
+        )
     cache = llama.init_cache(model.cfg, batch, max_len)
     mesh = model.mesh
     if mesh is not None:

@@ -42,10 +42,24 @@ def build_parser() -> Parser:
     g.add_argument(
         "--batch-buckets",
         type=int,
-        default=1,
+        default=4,
         help="batch sizes compiled: --max-batch halved this many times minus one; a round runs the "
-        "smallest that holds every running request (AR and SD on one device; 1, the default: always "
-        "every slot; docs/serving.md has what it measured)",
+        "smallest that holds every running request (AR and SD on one device; 1: always every slot)",
+    )
+    g.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="blocks in the paged KV cache's pool (default: enough for every slot's whole context, "
+        "--max-batch x --max-model-len / --block-size; fewer: sequences are preempted and recomputed "
+        "when it runs out; 0: no paging, a contiguous cache per slot). AR and SD on one device",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="KV-cache slots per block")
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse cached blocks of earlier prompts' prefixes",
     )
     g.add_argument(
         "--max-waiting", type=int, default=64, help="sequences that may wait for a slot; more get 429"
@@ -86,7 +100,7 @@ def run(argv=None) -> int:
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
         + f" slots={args.max_batch} buckets={','.join(map(str, method.buckets))} context={max_len} "
-        f"windows={','.join(map(str, engine.windows))}: "
+        f"windows={','.join(map(str, engine.windows))}{_paged_note(engine.engine)}: "
         f"compiled in {engine.engine.compile_s:.1f}s; "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
@@ -115,11 +129,13 @@ def _checked_spec(args):
 
     spec = spec_from_args(args)
     if (
-        min(args.max_batch, args.prefill_chunk, args.context_buckets, args.batch_buckets) < 1
+        min(args.max_batch, args.prefill_chunk, args.context_buckets, args.batch_buckets, args.block_size) < 1
         or args.max_waiting < 0
+        or (args.kv_blocks is not None and args.kv_blocks < 0)
     ):
         raise UserError(
-            "--max-batch, --prefill-chunk, --context-buckets and --batch-buckets must be >= 1, --max-waiting >= 0"
+            "--max-batch, --prefill-chunk, --context-buckets, --batch-buckets and --block-size must be >= 1, "
+            "--max-waiting and --kv-blocks >= 0"
         )
     spec.validate()
     if multi_process():
@@ -200,6 +216,13 @@ def _resolved_k(args, spec, model, draft):
     return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
 
 
+def _paged_note(core) -> str:
+    if core.pages is None:
+        return " kv=contiguous"
+    pool = core.pages.pool
+    return f" kv=paged:{pool.n_blocks}x{pool.block_size} prefix-caching={'on' if pool.caching else 'off'}"
+
+
 def _serving_engine(args, spec, model, draft, max_len):
     """(the serving engine, its metrics, the method): every program compiled."""
     from ssd_jax import load_model
@@ -221,6 +244,11 @@ def _serving_engine(args, spec, model, draft, max_len):
         context_buckets=args.context_buckets,
         batch_buckets=args.batch_buckets,
         admit_together=False,
+        kv_blocks=args.max_batch * -(-max_len // args.block_size)
+        if args.kv_blocks is None
+        else args.kv_blocks or None,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
     )
     return ServingEngine(core, max_waiting=args.max_waiting), metrics, method
 

@@ -61,6 +61,21 @@ class Metrics:
             ["k", "batch"],
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "ssd_jax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "ssd_jax:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)", registry=r
+        )
+        self.preemptions = Counter(
+            "ssd_jax:num_preemptions", "Sequences preempted (paged cache full) to be recomputed", registry=r
+        )
+        self.kv_usage = Gauge(
+            "ssd_jax:kv_cache_usage_perc",
+            "Fraction of the paged cache's blocks held by sequences",
+            registry=r,
+        )
+        self._prefix_seen = (0, 0)
         self.cache_lookups = Counter(
             "ssd_jax:spec_decode_num_cache_lookups",
             "SSD: speculation-cache lookups (one per running row per round)",
@@ -103,3 +118,14 @@ class Metrics:
         """One SSD round's speculation-cache lookups."""
         self.cache_lookups.inc(lookups)
         self.cache_hits.inc(hits)
+
+    def prefix_cache(self, pool) -> None:
+        """After an admission: the pool's prefix-cache counts since the last call, and its usage."""
+        q, h = self._prefix_seen
+        self.prefix_queries.inc(pool.queries - q)
+        self.prefix_hits.inc(pool.hits - h)
+        self._prefix_seen = (pool.queries, pool.hits)
+        self.kv_usage.set(pool.usage)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()

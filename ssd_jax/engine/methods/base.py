@@ -23,6 +23,7 @@ class Method:
     k_max = 0
     extra_slots = 0
     bucketed = False  # runs a round over the first rows only (batch buckets); else every slot, always
+    pageable = False  # its caches may be paged (ssd_jax.engine.blocks)
 
     def __init__(self, model, modes):
         self.model, self.modes = model, tuple(modes)
@@ -37,7 +38,8 @@ class Method:
         t0 = Compiled.total_s
         self.B, self.max_len, self.n_ban = engine.B, engine.max_len, len(engine.ban)
         self.buckets = engine.buckets if self.bucketed else (self.B,)
-        self.tcache = cache_for(self.model, self.B, self.max_len)
+        self.paged = engine.paged if self.pageable else None
+        self.tcache = cache_for(self.model, self.B, self.max_len, self.paged)
         self.rows = jax.tree.map(self.put, Rows.empty(self.B, self.n_ban))
         self.setup_draft(engine)
         self.compile_rounds(engine.windows)
@@ -45,6 +47,22 @@ class Method:
 
     def setup_draft(self, engine) -> None:
         pass
+
+    def set_pages(self, table: np.ndarray) -> None:
+        """A new block table (paged caches): each cache gets its own copy (the caches are donated)."""
+        self.tcache = dataclasses.replace(self.tcache, pages=self.put(table))
+
+    def row_state(self, b: int) -> tuple[int, int, int]:
+        """Slot ``b``'s (cur, prev, step) on the host (a preemption; no round in flight)."""
+        r = self.rows
+        return int(np.asarray(r.cur)[b]), int(np.asarray(r.prev)[b]), int(np.asarray(r.steps)[b])
+
+    def restore(self, b: int, cur: int, prev: int, step: int) -> None:
+        """Slot ``b`` continues a preempted sequence: its (cur, prev, step) as they were (after the
+        re-admission's prefill, whose sampled token is not used)."""
+        from ssd_jax.decoding.slots import restore_row
+
+        self.rows = restore_row(self.rows, self.put(np.array([b, cur, prev, step], np.int32)))
 
     def window(self, w: int) -> int | None:
         """A round's attention window; None when it is the whole cache (no windowing)."""
@@ -118,6 +136,7 @@ class AR(Method):
 
     name = "ar"
     bucketed = True
+    pageable = True
 
     def compile_rounds(self, windows) -> None:
         for mode in self.modes:

@@ -47,6 +47,7 @@ class SD(Method):
     name = "sd"
     speculates = True
     bucketed = True
+    pageable = True
 
     def __init__(self, model, modes, spec, drafter):
         super().__init__(model, modes)
@@ -67,7 +68,9 @@ class SD(Method):
         self.empty_rounds = 0
 
     def setup_draft(self, engine) -> None:
-        self.dcache = cache_for(self.draft, self.B, self.max_len) if self.draft is not None else None
+        self.dcache = (
+            cache_for(self.draft, self.B, self.max_len, self.paged) if self.draft is not None else None
+        )
         self.catch = self.put(np.bool_(False))
         self._zeros: dict[int, tuple] = {}  # proposal width -> the device zeros a non-host round passes
         self._progs: dict = {}
@@ -194,6 +197,16 @@ class SD(Method):
         self.empty_rounds += w == 0
         return toks, n_h, w
 
+    def set_pages(self, table) -> None:
+        super().set_pages(table)
+        if self.dcache is not None:  # the draft's pool has the same blocks: the same table
+            self.dcache = dataclasses.replace(self.dcache, pages=self.put(table))
+
+    def restore(self, b: int, cur: int, prev: int, step: int) -> None:
+        super().restore(b, cur, prev, step)
+        if self.kind == "host":  # its history ends with the token the re-admission sampled: cur instead
+            self.history[b] = np.concatenate([self.history[b][:-1], np.array([cur], np.int32)])
+
     def next_k(self, bucket=None) -> int:
         return self.sched.k_for(bucket) if self.sched is not None else self.K
 
@@ -251,6 +264,7 @@ class SDProfiled(SD):
     same tokens as the one-call round, slower). K stays fixed; every slot runs (no batch buckets)."""
 
     bucketed = False
+    pageable = False
 
     def __init__(self, model, modes, spec, drafter):
         super().__init__(model, modes, dataclasses.replace(spec, k_plan=None), drafter)

@@ -49,6 +49,9 @@ TARGET_BF16 = "ssd_jax_rows_matmul_bf16"
 #: attention of a few query tokens over the KV cache (attention.cc)
 SYMBOL_ATTENTION = "SsdJaxAttention"
 TARGET_ATTENTION = "ssd_jax_attention"
+#: the same over a paged cache (a pool of blocks and each row's block table)
+SYMBOL_PAGED_ATTENTION = "SsdJaxPagedAttention"
+TARGET_PAGED_ATTENTION = "ssd_jax_paged_attention"
 #: the attention kernel serves 1 <= T <= ATTENTION_MAX_T new tokens per row (decode, verify, SSD
 #: tree steps); longer blocks (prefill, training) keep the einsum
 ATTENTION_MAX_T = 64
@@ -172,6 +175,7 @@ def available() -> bool:
             (TARGET, SYMBOL),
             (TARGET_BF16, SYMBOL_BF16),
             (TARGET_ATTENTION, SYMBOL_ATTENTION),
+            (TARGET_PAGED_ATTENTION, SYMBOL_PAGED_ATTENTION),
         ):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _LOADED.append(path)
@@ -306,3 +310,39 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: 
     if not attention_usable(q, k, v):
         return attention_reference(q, k[:B, :S], v[:B, :S], mask, scale)
     return _attention(q, k, v, mask.astype(jnp.bool_), float(scale))
+
+
+def paged_read(pool: jax.Array, pages: jax.Array, n_slots: int) -> jax.Array:
+    """The first ``n_slots`` slots of each row of a paged cache (pool (N, bs, KVH, hd), block table
+    pages (B, P)) as a contiguous ``(B, n_slots, KVH, hd)``: XLA's gather. An empty entry reads the last
+    block, as any slot past a row's length reads something: the mask hides it."""
+    bs = pool.shape[1]
+    nb = -(-n_slots // bs)
+    x = pool[jnp.minimum(pages[:, :nb], pool.shape[0] - 1)]  # (B, nb, bs, KVH, hd)
+    return x.reshape(x.shape[0], nb * bs, *x.shape[3:])[:, :n_slots]
+
+
+def _paged_reference(q, k, v, pages, mask, *, scale):
+    S = mask.shape[-1]
+    return attention_reference(q, paged_read(k, pages, S), paged_read(v, pages, S), mask, scale)
+
+
+def _paged_ffi(q, k, v, pages, mask, *, scale):
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET_PAGED_ATTENTION, out, vmap_method="sequential")(
+        q, k, v, pages, mask, scale=np.float32(scale)
+    )
+
+
+def paged_attention(q, k, v, pages, mask, scale: float) -> jax.Array:
+    """:func:`attention` over a paged cache: k / v pools (N, bs, KVH, hd), ``pages`` (B, P) int32 each
+    row's block table, mask (B, T, S). The CPU kernel reads each slot through the table in place (no
+    gathered copy); elsewhere (another backend, a sharded pool, bfloat16) XLA gathers the blocks."""
+    pages = pages.astype(jnp.int32)
+    if not attention_usable(q, k, v):
+        return _paged_reference(q, k, v, pages, mask, scale=scale)
+    return jax.lax.platform_dependent(
+        q, k, v, pages, mask.astype(jnp.bool_),
+        cpu=functools.partial(_paged_ffi, scale=float(scale)),
+        default=functools.partial(_paged_reference, scale=float(scale)),
+    )  # fmt: skip

@@ -75,9 +75,22 @@ struct Shape {
   int64_t B, T, KVH, G, hd, S, Sc;  // S: the slots attended (the mask's width); Sc: the cache's slots
 };
 
+// Where slot s of row b lives. Contiguous: row b's slots in order (row stride Sc). Paged: the pool's
+// block pages[b, s / bs] (clamped to the pool, as XLA's gather clamps: an empty entry lies past the
+// row's length, so no visible slot reads it), offset s % bs.
+struct Slots {
+  const int32_t* pages = nullptr;  // (B, P) block table, or none
+  int64_t P = 0, bs = 0, N = 0;
+  inline int64_t index(int64_t b, int64_t s, int64_t Sc) const {
+    if (!pages) return b * Sc + s;
+    const int64_t blk = std::min<int64_t>(std::max<int32_t>(pages[b * P + s / bs], 0), N - 1);
+    return blk * bs + s % bs;
+  }
+};
+
 // One (b, j) work item. scores: scratch of G * T * S floats.
-void attend(const float* q, const float* k, const float* v, const bool* mask, float* out, const Shape& d, float scale,
-            int64_t b, int64_t j, float* scores) {
+void attend(const float* q, const float* k, const float* v, const bool* mask, float* out, const Shape& d,
+            const Slots& at, float scale, int64_t b, int64_t j, float* scores) {
   const int64_t T = d.T, G = d.G, hd = d.hd, S = d.S, KVH = d.KVH;
   const bool* mb = mask + b * T * S;
   // the slots any query row of this batch row may see: [0, smax)
@@ -89,15 +102,15 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
         break;
       }
   const int64_t kstride = KVH * hd;
-  const float* kb = k + (b * d.Sc * KVH + j) * hd;
-  const float* vb = v + (b * d.Sc * KVH + j) * hd;
+  auto key = [&](int64_t s) { return k + at.index(b, s, d.Sc) * kstride + j * hd; };
+  auto val = [&](int64_t s) { return v + at.index(b, s, d.Sc) * kstride + j * hd; };
   const int64_t rows = T * G;
   auto qrow = [&](int64_t t, int64_t g) { return q + (((b * T + t) * KVH + j) * G + g) * hd; };
   auto orow = [&](int64_t t, int64_t g) { return out + (((b * T + t) * KVH + j) * G + g) * hd; };
   const float neg = -std::numeric_limits<float>::infinity();
   // scores: every key read once, dotted with all rows of the group
   for (int64_t s = 0; s < smax; ++s) {
-    const float* ks = kb + s * kstride;
+    const float* ks = key(s);
     for (int64_t t = 0; t < T; ++t) {
       const bool vis = mb[t * S + s];
       for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * S + s] = vis ? scale * dot(qrow(t, g), ks, hd) : neg;
@@ -134,7 +147,7 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) std::memset(orow(t, g), 0, sizeof(float) * hd);
   for (int64_t s = 0; s < smax; ++s) {
-    const float* vs = vb + s * kstride;
+    const float* vs = val(s);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = t * G + g;
@@ -151,7 +164,7 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
       if (!blind[t * G + g]) continue;
       float* o = orow(t, g);
       for (int64_t s = 0; s < S; ++s)
-        for (int64_t i = 0; i < hd; ++i) o[i] += vb[s * kstride + i];
+        for (int64_t i = 0; i < hd; ++i) o[i] += val(s)[i];
       for (int64_t i = 0; i < hd; ++i) o[i] /= float(S);
     }
 }
@@ -161,6 +174,7 @@ struct Work {
   const bool* mask;
   float* out;
   Shape d;
+  Slots at;
   float scale;
   int64_t items;
   std::atomic<int64_t> next{0};
@@ -169,11 +183,36 @@ struct Work {
   void drain() {
     std::vector<float> scores(d.T * d.G * d.S);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      attend(q, k, v, mask, out, d, scale, i / d.KVH, i % d.KVH, scores.data());
+      attend(q, k, v, mask, out, d, at, scale, i / d.KVH, i % d.KVH, scores.data());
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+// Runs the (b, j) items on XLA's thread pool (and this thread).
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Work> work) {
+  work->items = work->d.B * work->d.KVH;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
+  const int64_t helpers = std::min(threads, work->items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
+  work->drain();
+  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+std::shared_ptr<Work> NewWork(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                              ffi::Buffer<ffi::PRED>& mask, ffi::ResultBuffer<ffi::F32>& out, float scale) {
+  auto work = std::make_shared<Work>();
+  const auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->mask = reinterpret_cast<const bool*>(mask.untyped_data());
+  work->out = (*out).typed_data();
+  work->d = Shape{qd[0], qd[1], qd[2], qd[3], qd[4], md[2], kd[1]};
+  work->scale = scale;
+  return work;
+}
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
@@ -185,21 +224,24 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       !std::equal(kd.begin(), kd.end(), vd.begin()))
     return ffi::Error::InvalidArgument(
         "attention: want q (B,T,KVH,G,hd), k/v (Bc>=B,Sc>=S,KVH,hd) alike, mask (B,T,S)");
-  auto work = std::make_shared<Work>();
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->mask = reinterpret_cast<const bool*>(mask.untyped_data());
-  work->out = out->typed_data();
-  work->d = Shape{qd[0], qd[1], qd[2], qd[3], qd[4], md[2], kd[1]};
-  work->scale = scale;
-  work->items = qd[0] * qd[2];
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
-  const int64_t helpers = std::min(threads, work->items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->drain(); });
-  work->drain();
-  while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
-  return ffi::Error::Success();
+  return Run(pool, NewWork(q, k, v, mask, out, scale));
+}
+
+// k / v: a pool of N blocks (N, bs, KVH, hd); pages (B, P): each row's blocks, P * bs >= S.
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::PRED> mask,
+                              ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions(), pd = pages.dimensions();
+  const auto vd = v.dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || md.size() != 3 || vd.size() != 4 || pd.size() != 2 || kd[2] != qd[2] ||
+      kd[3] != qd[4] || md[0] != qd[0] || md[1] != qd[1] || pd[0] != qd[0] || pd[1] * kd[1] < md[2] ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument(
+        "paged attention: want q (B,T,KVH,G,hd), k/v pools (N,bs,KVH,hd) alike, pages (B,P) with P*bs >= S, "
+        "mask (B,T,S)");
+  auto work = NewWork(q, k, v, mask, out, scale);
+  work->at = Slots{pages.typed_data(), pd[1], kd[1], kd[0]};
+  return Run(pool, work);
 }
 
 }  // namespace
@@ -210,6 +252,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
