@@ -468,3 +468,48 @@ def test_auto_backup_decides_from_the_cost_model_not_the_clock(agree_pair, monke
     assert wild.metrics["fallback_calls"] == ref.metrics["fallback_calls"]
     bm = ref.metrics["backup_model"]
     assert set(bm) == {"hardware", "t_primary", "t_neural", "t_fast"} and bm["t_primary"] > 0
+
+
+def _server_path_run(pair, seed):
+    """The server's path, offline: 8 slots for 4 x N_ROWS sequences admitted one by one as slots free, in
+    prefill chunks of 4, rounds over batch buckets, a paged cache of 4-slot blocks too small for every slot
+    (prefix hits and preemptions), K from a schedule that includes K = 0 rounds."""
+    from test_engine import ScriptedK
+
+    from ssd_jax.engine.core import Engine, Mode, Sequence
+    from ssd_jax.engine.methods import build_method
+
+    target, draft = pair
+    sp = dataclasses.replace(T1, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed)
+    spec = dataclasses.replace(_spec("sd", "model", draft=draft), k_plan=ScriptedK([4, 0, 4, 2, 4, 0, 0, 4]))
+    method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
+    engine = Engine(
+        method, max_batch=8, max_len=64, prefill_chunk=4, admit_together=False, batch_buckets=4,
+        kv_blocks=48, block_size=4,
+    )  # fmt: skip
+    rows = N_ROWS // 2  # half the rows of the tests above (default-suite budget): 4,096 tokens scored
+    seqs = [Sequence(p, sp, index=i) for p in STAT_PROMPTS for i in range(rows)]
+    engine.submit(seqs)
+    engine.run()
+    assert engine.preemptions > 0 and engine.pages.pool.hits > 0 and engine.method.sched.rounds[0] > 0
+    em = collect(target, STAT_PROMPTS, [{"token_ids": s.row.tokens} for s in seqs], K, sp)
+    return goodness_of_fit(em, seed=seed)
+
+
+def test_server_path_emissions_follow_the_target(agree_pair):
+    """Sampled SD through the server's engine path (slots, buckets, paged cache with prefix hits and
+    preemption, K = 0 rounds) follows the target's distribution."""
+    rep = _server_path_run(agree_pair, seed=900)
+    assert not rep.rejected, str(rep)
+
+
+@pytest.mark.slow
+def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
+    """The control of the test above: the same path with the bonus token drawn from the draft's q fails."""
+    _bonus_from_q(monkeypatch)
+    sd_mod.sd_round_program.cache_clear()
+    try:
+        rep = _server_path_run(agree_pair, seed=901)
+        assert rep.rejected, str(rep)
+    finally:
+        sd_mod.sd_round_program.cache_clear()

@@ -13,7 +13,7 @@ at the last slot (``prev``) possibly not yet written (the catch-up of a round wh
 all accepted). So a row's first K = 0 round records ``[prev, cur]`` and later ones ``cur``; the flush
 writes them from slot ``length - 1`` on, rewriting ``prev``'s slot with ``prev`` itself. The host
 never waits: it counts the K = 0 rounds since the last flush (each emits one token per running row),
-which bounds every row's count, and picks the flush's width from that.
+which bounds every row's count, and flushes before the buffer could overflow.
 
 Exact whatever the schedule: the draft only proposes, and K is a function of earlier rounds only.
 """
@@ -29,15 +29,10 @@ from ssd_jax.decoding import runtime
 from ssd_jax.drafters.model import draft_prefill
 from ssd_jax.models import llama
 
-#: tokens a row's lag buffer holds: a flush is forced before a K = 0 round would overflow it
+#: tokens a row's lag buffer holds: a flush is forced before a K = 0 round would overflow it. The flush
+#: is one program per batch bucket, over all of them and the whole cache (it runs once per switch back
+#: to speculation: fewer programs to compile matter more than its cost)
 LAG_MAX = 32
-#: the widths the flush is compiled for (the smallest that holds the longest lag runs)
-LAG_WIDTHS = (8, LAG_MAX)
-
-
-def lag_width(rounds: int) -> int:
-    """The flush width after ``rounds`` K = 0 rounds (a row's lag is at most ``rounds + 1`` tokens)."""
-    return next(w for w in LAG_WIDTHS if w >= rounds + 1)
 
 
 def sd_lag_round(tparams, tcache, rows, catch_up, active_B, lag, lag_n, *, cfg, needs_filter, greedy, bucket):

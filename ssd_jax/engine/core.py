@@ -412,6 +412,7 @@ class Engine:
         hits = [s.prefix_hit for s in seqs] if self.pages is not None else None
         self._sync_pages()
         first, lps = self.method.admit(self.chunks(slots, prompts, hits), new)
+        self.method.admitted(slots.tolist(), prompts, first.tolist())
         if self.pages is not None:
             for b, p in zip(slots.tolist(), prompts):
                 self.pages.name(b, p, len(p))  # the prompt's full blocks, for later prompts to share

@@ -34,10 +34,11 @@ def build_parser() -> Parser:
     g.add_argument(
         "--context-buckets",
         type=int,
-        default=4,
+        default=None,
         help="attention windows compiled: --max-model-len "
         "halved this many times minus one; a round attends over the smallest window that holds every "
-        "running context (1: always the whole cache)",
+        "running context (1: always the whole cache). Default: 1 where the CPU attention kernel runs "
+        "(it reads only the slots a row has, whatever the window), else 4",
     )
     g.add_argument(
         "--batch-buckets",
@@ -128,6 +129,8 @@ def _checked_spec(args):
     from ssd_jax.parallel.distributed import multi_process
 
     spec = spec_from_args(args)
+    if args.context_buckets is None:
+        args.context_buckets = _default_context_buckets()
     if (
         min(args.max_batch, args.prefill_chunk, args.context_buckets, args.batch_buckets, args.block_size) < 1
         or args.max_waiting < 0
@@ -214,6 +217,17 @@ def _resolved_k(args, spec, model, draft):
             flush=True,
         )
     return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
+
+
+def _default_context_buckets() -> int:
+    """1 where the CPU attention kernel serves decode and verify blocks (its cost follows each row's
+    context, not the window: measured equal at 256 and 2,048 slots, docs/serving.md), else 4 (XLA's
+    attention reads every slot of the window)."""
+    import jax
+
+    from ssd_jax.models import kernels
+
+    return 1 if jax.default_backend() == "cpu" and kernels.available() else 4
 
 
 def _paged_note(core) -> str:

@@ -121,6 +121,10 @@ class Method:
         """Prefill the admitted rows; returns their first tokens (R,) and log-probabilities (or None)."""
         return np.asarray(self.admit_target(chunks, new)), self.first_logprobs()
 
+    def admitted(self, slots, prompts, first) -> None:
+        """After :meth:`admit`: the admitted slots, their whole prompts (what their cache rows hold) and
+        first tokens, for state kept on the host."""
+
     def queues_ahead(self) -> bool:
         return True
 

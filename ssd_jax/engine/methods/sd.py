@@ -59,6 +59,7 @@ class SD(Method):
         self.sched = OnlineK(plan, self.K) if plan is not None else None
         # the Ks the plan can pick at some acceptance (programs for the others would never run); K = 0 is
         # an AR round (for a draft model: with the draft idle, ``ssd_jax.decoding.sd_lag``)
+        self.plan = plan
         tables = [p.table for _, p in getattr(plan, "plans", ((None, plan),))] if plan is not None else []
         ks = {self.K}.union(*(set(t.tolist()) for t in tables))
         self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
@@ -111,19 +112,32 @@ class SD(Method):
         return (self.model.params, self.tcache, dparams, self.dcache, self.round_rows(mode), self.catch,
                 self.active(live), toks, n)  # fmt: skip
 
+    def widths_at(self, bucket: int) -> list[int]:
+        """The Ks a round of ``bucket`` rows may run: those its plan picks at some acceptance (with one
+        plan: every bucket's; n-gram: 0 too, a round without proposals)."""
+        plan = self.plan
+        if plan is None or not hasattr(plan, "plans"):
+            return self.widths
+        own = set(plan.plan(bucket).table.tolist()) | ({0} if self.kind == "host" else set())
+        return sorted(own)
+
     def compile_rounds(self, windows) -> None:
+        """Every round program a bucket may run (a server compiles them all at start-up: one per mode,
+        window, bucket and K the bucket's plan can choose; XLA:CPU maps each executable's code separately,
+        and the kernel's limit on a process's memory maps, 65,530 by default, bounds how many fit)."""
         off = np.zeros(self.B, bool)
-        for mode in self.modes:
-            for w in windows:
-                for k in self.widths:
-                    z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
-                    for b in self.buckets:
+        for b in self.buckets:
+            ks = self.widths_at(b)
+            for mode in self.modes:
+                for w in windows:
+                    for k in ks:
                         if k == 0 and self.lags:
                             self._lag_program(mode, w, b).precompile(*self._lag_args(off, mode))
-                            for width in sd_lag.LAG_WIDTHS:
-                                self._flush_program(width, w, b).precompile(*self._flush_args())
                             continue
+                        z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
                         self._program(k, mode, w, b).precompile(*self._round_args(off, *z, mode))
+            if self.lags and any(k > 0 for k in ks):  # the draft is caught up before a K > 0 round
+                self._flush_program(b).precompile(*self._flush_args())
         if self.lags:
             self._reset_lag.precompile(self.lag_n, self.put(off))
 
@@ -137,15 +151,15 @@ class SD(Method):
         return (self.model.params, self.tcache, self.round_rows(mode), self.catch, self.active(live), self.lag,
                 self.lag_n)  # fmt: skip
 
-    def _flush_program(self, width, window, bucket):
-        return sd_lag.draft_flush_program(self.draft.cfg, width, self.window(window), self.bucket(bucket))
+    def _flush_program(self, bucket):
+        return sd_lag.draft_flush_program(self.draft.cfg, sd_lag.LAG_MAX, None, self.bucket(bucket))
 
     def _flush_args(self):
         return self.draft.params, self.dcache, self.lag, self.lag_n
 
     def _flush(self, window, bucket) -> None:
         """The idle draft's cache level with the target's (queued on the device; the host does not wait)."""
-        prog = self._flush_program(sd_lag.lag_width(self.lag_rounds), window, bucket)
+        prog = self._flush_program(bucket)
         self.dcache, self.lag_n = prog(*self._flush_args())
         self.lag_rounds = 0
 
@@ -174,11 +188,12 @@ class SD(Method):
                 admitted[chunks[0].slots] = True
                 self.lag_n = self._reset_lag(self.lag_n, self.put(admitted))
             jax.block_until_ready(self.dcache)
-        if self.kind == "host":
-            for r, b in enumerate(chunks[0].slots.tolist()):
-                toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
-                self.history[b] = np.asarray(toks + [int(first[r])], np.int32)
         return first, self.first_logprobs()
+
+    def admitted(self, slots, prompts, first) -> None:
+        if self.kind == "host":  # the n-gram lookup's history: the whole prompt (a cached prefix included)
+            for b, p, t in zip(slots, prompts, first):
+                self.history[b] = np.asarray(list(p) + [int(t)], np.int32)
 
     def queues_ahead(self) -> bool:
         return self.kind != "host"  # n-gram lookups need the round's tokens
