@@ -114,9 +114,14 @@ def passing_run(pair, case, seed):
     return rep, m, em
 
 
-# default-suite budget: three SSD cases whose paths other cases cover run in the slow set only (and, with
+# default-suite budget: four SSD cases whose paths other cases cover run in the slow set only (and, with
 # every case, at 8x the rows in test_emissions_follow_the_target_large)
-SLOW_BY_DEFAULT = {("ssd", "random", 1.0, TOP_P), ("ssd", "ngram", 0.0, TOP_K), ("ssd", "auto", 0.3, TOP_K)}
+SLOW_BY_DEFAULT = {
+    ("ssd", "random", 1.0, TOP_P),
+    ("ssd", "ngram", 0.0, TOP_K),
+    ("ssd", "auto", 0.3, TOP_K),
+    ("ssd", "neural", 0.3, TOP_P),
+}
 
 
 @pytest.mark.parametrize(

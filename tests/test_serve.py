@@ -278,6 +278,9 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
         sum(v for k, v in d.items() if k.startswith("ssd_jax:spec_decode_num_accepted_tokens_per_pos_total"))
         == accepted
     )
+    if method == "sd":  # rounds counted by K (0: an AR round) and batch bucket (2 or 4 rows here)
+        rounds = {k: v for k, v in d.items() if k.startswith("ssd_jax:spec_decode_num_rounds_total|") and v}
+        assert rounds and all(("batch=2" in k or "batch=4" in k) and "|k=" in k for k in rounds), rounds
     # a row's round emits accepted + 1 tokens; the first token of each request comes from its prefill
     # (the last round of a request may emit more than its max_tokens leave: those are dropped)
     n_req, gen = 7, d["ssd_jax:generation_tokens_total"]

@@ -106,7 +106,6 @@ def main() -> None:
     if (ap := probe_args(report, 16)) is None:
         return
     ap.add_argument("--system-tokens", type=int, default=512)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from ssd_jax import load_model
     from ssd_jax.data.prompts import load_prompts
