@@ -164,10 +164,9 @@ def test_k_zero_rounds_leave_the_draft_idle_and_catch_it_up(pair, buckets, monke
 SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # a 20-token "system prompt"
 
 
-# AR and n-gram are slow-set here: by default test_serve's servers run paged caches over HTTP
-@pytest.mark.parametrize(
-    "method", ["sd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("ar", "ngram"))]
-)
+# slow-set (default-suite budget): test_serve's servers run paged caches over HTTP, and test_exactness's
+# server-path test asserts prefix hits and preemptions under its statistical test
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram")])
 def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
     """A paged cache of 4-slot blocks: prompts sharing a 20-token prefix reuse its cached blocks (hits
     counted), and a pool too small for every slot preempts the newest sequence, which is recomputed and
