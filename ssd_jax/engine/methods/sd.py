@@ -157,7 +157,7 @@ class SD(Method):
     def _flush_args(self):
         return self.draft.params, self.dcache, self.lag, self.lag_n
 
-    def _flush(self, window, bucket) -> None:
+    def _flush(self, bucket) -> None:
         """The idle draft's cache level with the target's (queued on the device; the host does not wait)."""
         prog = self._flush_program(bucket)
         self.dcache, self.lag_n = prog(*self._flush_args())
@@ -166,7 +166,7 @@ class SD(Method):
     def _lag_round(self, live, window, mode, bucket) -> SDRound:
         """A K = 0 round: an AR step, the draft idle (its missed tokens recorded)."""
         if self.lag_rounds + 2 > sd_lag.LAG_MAX:  # the buffer would overflow: catch the draft up first
-            self._flush(window, bucket)
+            self._flush(bucket)
         out, self.tcache, (cur, prev, steps), self.catch, self.lag, self.lag_n = self._lag_program(
             mode, window, bucket
         )(*self._lag_args(live, mode))
@@ -231,7 +231,7 @@ class SD(Method):
             if k == 0:
                 return self._lag_round(live, window, mode, bucket)
             if self.lag_rounds:
-                self._flush(window, bucket)
+                self._flush(bucket)
         if self.kind == "host":
             toks, n_h, w = self.ngram(live, k)
         else:
