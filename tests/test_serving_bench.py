@@ -36,7 +36,11 @@ def test_methods_map_to_server_flags():
         "--k",
         "4",
     ]
-    for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam", "ssd:ngram:3"):
+    # a method may carry server flags of its own (one server per configuration, e.g. prefix caching off)
+    m = sb.parse_method("sd:ngram:2 --no-prefix-caching --block-size 32")
+    assert m["name"] == "sd-ngram-k2+no-prefix-caching+block-size+32"
+    assert m["flags"][-3:] == ["--no-prefix-caching", "--block-size", "32"]
+    for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam", "ssd:ngram:3", "ar extra", ""):
         with pytest.raises(UserError):
             sb.parse_method(bad)
 
@@ -51,3 +55,22 @@ def test_cell_summary_percentiles_and_throughput_interval():
     assert s["ttft"]["p50"] == pytest.approx(5.05) and s["ttft"]["p99"] == pytest.approx(9.901)
     m, lo, hi = s["throughput"]
     assert m == pytest.approx(51.0) and lo < 51.0 < hi
+
+
+def test_report_compares_with_ar_and_counts_prefix_hits_and_preemptions():
+    """Each method's throughput is compared with AR's at the same rate whatever the order of the methods,
+    and the prefix-cache hit share and the preemptions of each cell come from the /metrics counters."""
+    before = {"ssd_jax:prefix_cache_queries_total": 100.0, "ssd_jax:prefix_cache_hits_total": 10.0}
+    after = {"ssd_jax:prefix_cache_queries_total": 300.0, "ssd_jax:prefix_cache_hits_total": 160.0}
+    assert sb._prefix_hits(before, after) == pytest.approx(0.75) and sb._prefix_hits({}, {}) is None
+    req = {"kind": "request", "rate": 1.0, "repeat": 0, "ok": True, "ttft": 0.1, "tpot": 0.01, "e2e": 1.0}
+    rows = [
+        {**req, "method": "sd-x", "tokens": 30},
+        {**req, "method": "ar", "tokens": 20},
+        {"kind": "load", "method": "sd-x", "rate": 1.0, "span": 10.0, "tokens": 30, "loadavg": 1.5,
+         "prefix_hit_rate": 0.75, "preemptions": 2.0},
+        {"kind": "load", "method": "ar", "rate": 1.0, "span": 10.0, "tokens": 20, "loadavg": 0.5},
+    ]  # fmt: skip
+    table = sb.render(rows, {"target": "t", "system_tokens": 512})
+    assert "| 1 | sd-x | 1 (0) | 3.0 [nan, nan] | 1.50x |" in table and "| 0.75 | 2 |" in table
+    assert "512-token system message" in table and "per cell: 0.5-1.5" in table

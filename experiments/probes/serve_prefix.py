@@ -45,15 +45,6 @@ def stream(url: str, prompt: str, new: int) -> dict:
     }
 
 
-def system_prompt(tokenizer, n: int) -> str:
-    """About ``n`` tokens of plain instructions (the built-in prose, repeated), cut at a token boundary."""
-    from ssd_jax.decoding.calibration import CAL_TEXTS
-
-    text = "You are a careful assistant. Follow these notes. " + " ".join(CAL_TEXTS) * 8
-    ids = tokenizer.encode(text)[:n]
-    return tokenizer.decode(ids)
-
-
 def report(path: str) -> str:
     """Per method: TTFT and TPOT with caching on and off (means), and the TTFT ratio off / on, paired per
     (question, repeat), the 95% t-interval over questions."""
@@ -108,6 +99,7 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=512)
     a = ap.parse_args()
     from ssd_jax import load_model
+    from ssd_jax.bench.serving import system_prompt
     from ssd_jax.data.prompts import load_prompts
 
     tok = load_model(a.target).tokenizer

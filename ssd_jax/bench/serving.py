@@ -2,15 +2,17 @@
 
 ``python -m ssd_jax.bench.serving --target NAME --methods ar sd:ngram:3 sd:DRAFT:2 ssd:DRAFT:2 --rates 0.5 1 2 ...``
 
-- **Servers.** One server per method, all started before the first measurement and all kept up
-  (an idle server's engine thread sleeps on a condition), so the methods can be interleaved:
+- **Servers.** One server per method (a method may carry server flags of its own, e.g. ``"ar
+  --no-prefix-caching"``), started one after another (each calibrates K auto on a quiet machine)
+  and all kept up (an idle server's engine thread sleeps on a condition), so the methods can be interleaved:
   for each repeat and each rate, every method takes its load in an order rotated per (repeat,
   rate). Each server is warmed up with a few requests first.
 - **Load.** ``--requests`` requests per (method, rate, repeat) with exponential inter-arrival
   times (a Poisson process at ``rate`` requests/s; the same seeded arrival times and prompts for
   every method), prompts from the offline sets (``--categories``, cycled), through the chat
   endpoint with streaming, greedy, ``max_tokens`` fixed and ``ignore_eos`` so every request
-  asks for the same work whatever the method.
+  asks for the same work whatever the method. ``--system-tokens N`` puts the same N-token
+  system message before every request (a shared system prompt: what prefix caching serves).
 - **Per request** (one JSON line in ``<out>.jsonl``, appended and fsynced, so a rerun resumes):
   TTFT (arrival to first content chunk), TPOT ((end - first token) / (tokens - 1)), end-to-end
   latency, completion tokens (from the final usage chunk).
@@ -57,7 +59,19 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
 
 def parse_method(m: str) -> dict:
     """``ar`` | ``sd:DRAFT[:K]`` | ``ssd:DRAFT[:K]`` (DRAFT: ngram (SD only) or a draft name / path; K an
-    integer or auto, the default) -> server flags and a label."""
+    integer or auto, the default), optionally followed by server flags of its own (``"ar
+    --no-prefix-caching"``) -> server flags and a label (``ar+no-prefix-caching``)."""
+    spec, *own = shlex.split(m) or [""]
+    if own and not own[0].startswith("--"):
+        raise UserError(f"method {m!r}: what follows the method must be server flags (--...)")
+    out = _parse_spec(spec, m)
+    if own:
+        out["name"] += "+" + "+".join(f.lstrip("-") for f in own)
+        out["flags"] = out["flags"] + own
+    return out
+
+
+def _parse_spec(m: str, whole: str) -> dict:
     parts = m.split(":")
     if parts == ["ar"]:
         return {"name": "ar", "flags": ["--method", "ar"]}
@@ -69,13 +83,13 @@ def parse_method(m: str) -> dict:
     ):
         k = parts[2] if len(parts) == 3 else "auto"
         if k != "auto" and (not k.isdigit() or int(k) < 1):
-            raise UserError(f"method {m!r}: K must be a positive integer or auto")
+            raise UserError(f"method {whole!r}: K must be a positive integer or auto")
         label = "ngram" if parts[1] == "ngram" else "draft"
         return {
             "name": f"{parts[0]}-{label}-k{k}",
             "flags": ["--method", parts[0], "--draft", parts[1], "--k", k],
         }
-    raise UserError(f"unknown method {m!r} (ar, sd:ngram:K, sd:DRAFT:K, ssd:DRAFT:K)")
+    raise UserError(f"unknown method {whole!r} (ar, sd:ngram:K, sd:DRAFT:K, ssd:DRAFT:K, then server flags)")
 
 
 def percentile(xs, q: float) -> float:
@@ -151,13 +165,18 @@ class Server:
 # --- the load
 
 
-async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: float, at: float) -> dict:
+async def _one(
+    client, url: str, model: str, prompt: str, max_tokens: int, t0: float, at: float, system: str | None
+) -> dict:
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     start = time.perf_counter()
+    # as SDK-based benchmark clients send it: content as a list of parts, max_completion_tokens
+    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
     body = {
         "model": model,
-        # as SDK-based benchmark clients send it: content as a list of parts, max_completion_tokens
-        "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        "messages": messages,
         "max_completion_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -191,9 +210,15 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, t0: f
 
 
 async def run_load(
-    url: str, model: str, prompts: list[str], arrivals: list[float], max_tokens: int
+    url: str,
+    model: str,
+    prompts: list[str],
+    arrivals: list[float],
+    max_tokens: int,
+    system: str | None = None,
 ) -> list[dict]:
-    """Send ``prompts[i]`` at ``arrivals[i]`` (s from now), streamed; one record per request."""
+    """Send ``prompts[i]`` at ``arrivals[i]`` (s from now), streamed, each after the shared ``system``
+    message if given; one record per request."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(arrivals) + 4)
@@ -202,7 +227,7 @@ async def run_load(
         return list(
             await asyncio.gather(
                 *(
-                    _one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at)
+                    _one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at, system)
                     for i, at in enumerate(arrivals)
                 )
             )
@@ -231,8 +256,32 @@ def _ratio(before: dict, after: dict, num: str, den: str) -> float | None:
     return n / m if m else None
 
 
+def system_prompt(tokenizer, n: int) -> str:
+    """About ``n`` tokens of plain instructions (the built-in prose, repeated), cut at a token boundary."""
+    from ssd_jax.decoding.calibration import CAL_TEXTS
+
+    text = "You are a careful assistant. Follow these notes. " + " ".join(CAL_TEXTS) * 8
+    return tokenizer.decode(tokenizer.encode(text)[:n])
+
+
 def _spec_acceptance(before: dict, after: dict) -> float | None:
     return _ratio(before, after, "accepted_tokens", "draft_tokens")
+
+
+def _prefix_hits(before: dict, after: dict) -> float | None:
+    """The share of prompt tokens found in the prefix cache between two ``/metrics`` reads."""
+    q, h = (after.get(f"ssd_jax:prefix_cache_{k}_total", 0.0) - before.get(f"ssd_jax:prefix_cache_{k}_total", 0.0)
+            for k in ("queries", "hits"))  # fmt: skip
+    return h / q if q else None
+
+
+def _avg(xs) -> str:
+    return "-" if not xs else f"{sum(xs) / len(xs):.2f}"
+
+
+def _load_range(rows: list[dict]) -> str:
+    loads = [r["loadavg"] for r in rows if r.get("kind") == "load" and r.get("loadavg") is not None]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-"
 
 
 def render(rows: list[dict], env: dict) -> str:
@@ -241,6 +290,8 @@ def render(rows: list[dict], env: dict) -> str:
     spans: dict[tuple, list] = {}
     acc: dict[tuple, list] = {}
     hits: dict[tuple, list] = {}
+    prefix: dict[tuple, list] = {}
+    preempt: dict[tuple, float] = {}
     for r in rows:
         key = (r.get("method"), r.get("rate"))
         if r.get("kind") == "request":
@@ -251,40 +302,47 @@ def render(rows: list[dict], env: dict) -> str:
                 acc.setdefault(key, []).append(r["acceptance"])
             if r.get("cache_hit_rate") is not None:
                 hits.setdefault(key, []).append(r["cache_hit_rate"])
+            if r.get("prefix_hit_rate") is not None:
+                prefix.setdefault(key, []).append(r["prefix_hit_rate"])
+            preempt[key] = preempt.get(key, 0.0) + r.get("preemptions", 0.0)
     lines = [
         f"# Serving benchmark: {env.get('target')}",
         "",
         f"{env.get('backend')} ({env.get('cores')} cores), jax {env.get('jax')}, commit {env.get('commit')}; "
         f"{env.get('requests')} requests per (method, rate, repeat), Poisson arrivals, chat endpoint, streamed, "
         f"greedy, {env.get('max_tokens')} tokens per request (ignore_eos), {env.get('max_batch')} slots; "
-        f"methods interleaved per (repeat, rate). Load average (1 min) at start: {env.get('loadavg')}.",
+        f"methods interleaved per (repeat, rate)"
+        + (f"; a shared {env['system_tokens']}-token system message" if env.get("system_tokens") else "")
+        + f". Load average (1 min) at start: {env.get('loadavg')}; per cell: {_load_range(rows)}.",
         "",
         "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]. "
         "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
         "requests of the cell.",
         "",
         "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
-        "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | cache hits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | SSD cache hits | prefix hits | preempted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rates = sorted({k[1] for k in cells})
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for rate in rates:
-        base = None
+        base = (
+            cell_summary(cells[("ar", rate)], spans.get(("ar", rate), []))["throughput"][0]
+            if ("ar", rate) in cells
+            else None
+        )
         for m in methods:
             if (m, rate) not in cells:
                 continue
             s = cell_summary(cells[(m, rate)], spans.get((m, rate), []))
             t = s["throughput"]
-            if m == "ar":
-                base = t[0]
             ratio = f"{t[0] / base:.2f}x" if base else "-"
-            a, h = acc.get((m, rate)), hits.get((m, rate))
+            a, h, px = acc.get((m, rate)), hits.get((m, rate)), prefix.get((m, rate))
             lines.append(
                 f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
                 f"| {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
                 f"{1e3 * s['tpot']['p99']:.0f} | {s['e2e']['p50']:.2f} / {s['e2e']['p99']:.2f} "
-                f"| {'-' if not a else f'{sum(a) / len(a):.2f}'} | {'-' if not h else f'{sum(h) / len(h):.2f}'} |"
+                f"| {_avg(a)} | {_avg(h)} | {_avg(px)} | {preempt.get((m, rate), 0.0):.0f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -312,6 +370,7 @@ def _env(a) -> dict:
         "max_batch": a.max_batch,
         "server_args": a.server_args,
         "categories": a.categories,
+        "system_tokens": a.system_tokens,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "cores": os.cpu_count(),
@@ -337,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--categories", nargs="+", default=["code", "chat", "math", "copy"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--system-tokens", type=int, default=0, help="a shared system message of about this many tokens"
+    )
     p.add_argument("--warmup", type=int, default=4, help="requests per server before measuring")
     p.add_argument(
         "--server-args",
@@ -348,11 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _measure_cell(jsonl: Path, s: Server, name: str, rate: float, rep: int, a, prompts, arrivals) -> None:
+def _measure_cell(
+    jsonl: Path, s: Server, name: str, rate: float, rep: int, a, prompts, arrivals, system: str | None
+) -> None:
     """One (method, rate, repeat) cell: the load on server ``s``, each request and the cell's totals
     appended to ``jsonl``."""
     before, load = s.counters(), os.getloadavg()[0]
-    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens))
+    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens, system))
     after = s.counters()
     for i, r in enumerate(reqs):
         append_row(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
@@ -361,7 +425,10 @@ def _measure_cell(jsonl: Path, s: Server, name: str, rate: float, rep: int, a, p
     tokens = sum(r["tokens"] for r in ok)
     cell = {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span, "tokens": tokens,
             "failed": len(reqs) - len(ok), "loadavg": load, "acceptance": _spec_acceptance(before, after),
-            "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups")}  # fmt: skip
+            "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups"),
+            "prefix_hit_rate": _prefix_hits(before, after),
+            "preemptions": after.get("ssd_jax:num_preemptions_total", 0.0)
+            - before.get("ssd_jax:num_preemptions_total", 0.0)}  # fmt: skip
     append_row(jsonl, cell)
     print(
         f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {cell['failed']} failed", file=sys.stderr
@@ -398,15 +465,23 @@ def run(argv=None) -> int:
         str(4 * a.requests),
         *shlex.split(a.server_args),
     ]
+    system = None
+    if a.system_tokens > 0:
+        from ssd_jax import load_model
+
+        system = system_prompt(load_model(a.target).tokenizer, a.system_tokens)
     servers = {}
     try:
         for m in methods:
-            servers[m["name"]] = Server(
+            s = servers[m["name"]] = Server(
                 a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log"
             )
+            s.wait_ready()  # one at a time: K auto calibrates on a quiet machine
         for name, s in servers.items():
-            s.wait_ready()
-            asyncio.run(run_load(s.url, a.target, prompts[: a.warmup], [0.0] * a.warmup, a.max_tokens))
+            # the warm-up also puts the shared system prompt in a prefix cache, as a running server has it
+            asyncio.run(
+                run_load(s.url, a.target, prompts[: a.warmup], [0.0] * a.warmup, a.max_tokens, system)
+            )
             print(f"{name}: ready on {s.url}", file=sys.stderr)
         names = list(servers)
         for rep in range(a.repeats):
@@ -416,7 +491,7 @@ def run(argv=None) -> int:
                 for name in order:
                     if (name, rate, rep) in done:
                         continue
-                    _measure_cell(jsonl, servers[name], name, rate, rep, a, prompts, arrivals)
+                    _measure_cell(jsonl, servers[name], name, rate, rep, a, prompts, arrivals, system)
     finally:
         for s in servers.values():
             s.stop()
