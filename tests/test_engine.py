@@ -78,9 +78,11 @@ def test_a_seeded_row_ignores_its_batch(pair, method):
     assert alone[0]["token_ids"] != alone[1]["token_ids"]  # the two samples draw from their own streams
 
 
-# slow-set here (default-suite budget): by default test_serve's servers run buckets over HTTP, and the paged
-# and server-path tests below run them too
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram")])
+# AR, SD and n-gram slow-set here (default-suite budget): by default test_serve's servers run buckets over
+# HTTP, and the paged and server-path tests below run them too
+@pytest.mark.parametrize(
+    "method", ["ssd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram"))]
+)
 def test_batch_buckets_run_the_running_rows_only(pair, method):
     """Four slots compiled for 1, 2 and 4 rows: as sequences end, rounds run the smallest bucket holding
     every running row, and each sequence still equals generate() of its prompt alone (AR's tokens); a

@@ -215,6 +215,16 @@ def test_k_zero_and_a_plan_per_batch_bucket():
     assert plans.summary().startswith("1: K=4 ") and plans.summary().endswith("8: K=0 (AR)")
     on = OnlineK(plans, 1)
     assert (on.k_for(1), on.k_for(8)) == (4, 0)
+    # K = 0 proposes nothing: every EXPLORE_EVERY-th K = 0 round in a row speculates at the best K > 0 instead
+    from ssd_jax.analysis.kchoice import EXPLORE_EVERY
+
+    ks = [on.k_for(8) for _ in range(2 * EXPLORE_EVERY)]
+    assert ks.count(0) == 2 * EXPLORE_EVERY - 2 and ks[EXPLORE_EVERY - 2] == eight.positive_table[600] == 1
+    assert on.metrics()["k_explore_rounds"] == 2 and plans.ks_used() == {
+        0,
+        *on.plan.plan(1).table.tolist(),
+        1,
+    }
     for _ in range(30):  # every proposal accepted: speculation pays at 8 rows too
         on.update(4, np.array([True]), np.array([4]), np.array([4]))
     assert on.k_for(8) > 0 and on.k_for(1) == 8

@@ -52,6 +52,9 @@ ADAPTIVE_KS = (1, 2, 4, 8)
 PRIOR_WEIGHT = 8.0
 #: α steps of a plan's lookup table (KPlan.table)
 GRID = 1000
+#: after this many K = 0 rounds in a row, one round speculates at the plan's best positive K: a K = 0 round
+#: proposes nothing, so without it the online α could never show that speculation pays again
+EXPLORE_EVERY = 64
 
 
 def interpolate_verify(measured: Mapping[int, float], ks=range(1, K_MAX + 1)) -> dict[int, float]:
@@ -147,6 +150,17 @@ class KPlan:
         """:meth:`choose` at α = 0, 1/GRID, ..., 1: a round's K is one lookup (no host arithmetic per round)."""
         return np.array([self.choose(i / GRID) for i in range(GRID + 1)], np.int32)
 
+    @functools.cached_property
+    def positive_table(self) -> np.ndarray:
+        """The best K > 0 on the same grid (what an exploring round runs where :attr:`table` says 0)."""
+        if not self.zero:
+            return self.table
+        return dataclasses.replace(self, zero=False).table
+
+    def ks_used(self) -> set[int]:
+        """Every K a run may dispatch with this plan (the rounds to compile)."""
+        return set(self.table.tolist()) | set(self.positive_table.tolist())
+
     def k_at(self, alpha: float, bucket: int | None = None) -> int:
         """:meth:`choose` at α rounded to the grid (:attr:`table`)."""
         return int(self.table[int(round(min(max(alpha, 0.0), 1.0) * GRID))])
@@ -192,6 +206,9 @@ class BucketPlans:
     def k_at(self, alpha: float, bucket: int | None = None) -> int:
         return self.plan(bucket).k_at(alpha)
 
+    def ks_used(self) -> set[int]:
+        return set().union(*(p.ks_used() for _, p in self.plans))
+
 
 class OnlineK:
     """The K of each round of an adaptive run (see the module docstring). ``update`` after each
@@ -201,6 +218,8 @@ class OnlineK:
         self.plan, self.k = plan, int(k0)
         self.accepted = self.rejections = 0
         self.rounds: Counter[int] = Counter()
+        self.zero_run = 0  # K = 0 rounds dispatched in a row
+        self.explored = 0
 
     @property
     def alpha(self) -> float:
@@ -220,9 +239,19 @@ class OnlineK:
     def k_for(self, bucket: int | None) -> int:
         """The next round's K at ``bucket`` running rows: ``k`` with one plan, else the bucket's plan at
         the current α (a table lookup)."""
-        if isinstance(self.plan, BucketPlans):
-            return self.plan.k_at(self.alpha, bucket)
-        return self.k
+        if not isinstance(self.plan, BucketPlans):
+            return self.k
+        plan = self.plan.plan(bucket)
+        i = int(round(min(max(self.alpha, 0.0), 1.0) * GRID))
+        k = int(plan.table[i])
+        if k != 0:
+            self.zero_run = 0
+            return k
+        self.zero_run += 1
+        if self.zero_run < EXPLORE_EVERY:
+            return 0
+        self.zero_run, self.explored = 0, self.explored + 1
+        return int(plan.positive_table[i])
 
     def metrics(self) -> dict:
         n = sum(self.rounds.values())
@@ -232,4 +261,5 @@ class OnlineK:
             "k_rounds": {str(k): c for k, c in sorted(self.rounds.items())},
             "k_mean": sum(k * c for k, c in self.rounds.items()) / n if n else None,
             "alpha_online": self.alpha,
+            "k_explore_rounds": self.explored,
         }

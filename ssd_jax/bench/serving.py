@@ -9,7 +9,8 @@
   rate). Each server is warmed up with a few requests first.
 - **Load.** ``--requests`` requests per (method, rate, repeat) with exponential inter-arrival
   times (a Poisson process at ``rate`` requests/s; the same seeded arrival times and prompts for
-  every method), prompts from the offline sets (``--categories``, cycled), through the chat
+  every method), prompts from the offline sets (``--categories`` in turn; distinct prompts in every
+  (repeat, rate) cell, so none is found whole in a prefix cache), through the chat
   endpoint with streaming, greedy, ``max_tokens`` fixed and ``ignore_eos`` so every request
   asks for the same work whatever the method. ``--system-tokens N`` puts the same N-token
   system message before every request (a shared system prompt: what prefix caching serves).
@@ -448,7 +449,11 @@ def run(argv=None) -> int:
         return 0
     from ssd_jax.bench.protocol import category_prompts
 
-    per_cat = [[r["prompt"] for r in category_prompts(c, a.requests)] for c in a.categories]
+    # distinct prompts for every (repeat, rate) cell and the warm-up (a prompt seen before would be found
+    # whole in the prefix cache); the same ones for every method of a cell
+    cells = a.repeats * len(a.rates)
+    per = -(-(cells * a.requests + a.warmup) // len(a.categories))
+    per_cat = [[r["prompt"] for r in category_prompts(c, per)] for c in a.categories]
     prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
     if any(not isinstance(p, str) for p in prompts):
         raise UserError("the serving benchmark sends text prompts; a category gave token ids")
@@ -480,7 +485,14 @@ def run(argv=None) -> int:
         for name, s in servers.items():
             # the warm-up also puts the shared system prompt in a prefix cache, as a running server has it
             asyncio.run(
-                run_load(s.url, a.target, prompts[: a.warmup], [0.0] * a.warmup, a.max_tokens, system)
+                run_load(
+                    s.url,
+                    a.target,
+                    prompts[len(prompts) - a.warmup :],
+                    [0.0] * a.warmup,
+                    a.max_tokens,
+                    system,
+                )
             )
             print(f"{name}: ready on {s.url}", file=sys.stderr)
         names = list(servers)
@@ -491,7 +503,18 @@ def run(argv=None) -> int:
                 for name in order:
                     if (name, rate, rep) in done:
                         continue
-                    _measure_cell(jsonl, servers[name], name, rate, rep, a, prompts, arrivals, system)
+                    c = (rep * len(a.rates) + ri) * a.requests
+                    _measure_cell(
+                        jsonl,
+                        servers[name],
+                        name,
+                        rate,
+                        rep,
+                        a,
+                        prompts[c : c + a.requests],
+                        arrivals,
+                        system,
+                    )
     finally:
         for s in servers.values():
             s.stop()

@@ -24,7 +24,17 @@ from ssd_jax.decoding.sd import accept_step, target_score
 from ssd_jax.decoding.ssd import tree
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
-from ssd_jax.decoding.slots import gather_rows, park, scatter_rows, set_rows, windowed
+from ssd_jax.decoding.slots import (
+    gather_rows,
+    pad_rows,
+    park,
+    put_rows,
+    scatter_rows,
+    set_rows,
+    take_rows,
+    windowed,
+)
+from ssd_jax.models import llama
 from ssd_jax.sampling.filters import fold_in
 
 META = 4  # per-row meta columns: hit, post_miss, n_draft, live (as the device saw it)
@@ -208,16 +218,28 @@ def fused_round(
     return host, sp, pm, tcache, dcache, nxt, step + 1
 
 
-def fused_slot_round(tparams, tcache, dparams, dcache, rows, sp, pm, active_B, ctrl, **kw):
-    """:func:`fused_round` over the engine's slots (row keys and steps, free slots parked).
+def fused_slot_round(
+    tparams, tcache, dparams, dcache, rows, sp, pm, active_B, ctrl, *, ctl, bucket=None, **kw
+):
+    """:func:`fused_round` over the engine's slots (row keys and steps, free slots parked); ``bucket``
+    (static): only the first ``bucket`` slots run (every running row is among them; the caches' buffers
+    stay whole and are written in place, ``llama.bucket_view``).
     Returns (host array (B, K+2+4), next speculation, post-miss flags, tcache, dcache, rows)."""
-    keys = rows.key_batch
-    out, sp, pm, tcache, dcache, nxt, _ = fused_round(
-        tparams, tcache, dparams, dcache, rows.cur, sp, pm, rows.limit, rows.steps, fold_in(keys, 2),
-        fold_in(keys, 1), rows.rs, ctrl, **kw,
+    r, s, p, act = take_rows((rows, sp, pm, active_B), bucket)
+    if bucket is not None:  # the control vector ends with the live flags: keep the bucket's
+        ctl = dataclasses.replace(ctl, batch=bucket)
+        ctrl = ctrl[: ctl.size]
+    keys = r.key_batch
+    out, s, p, tc, dc, nxt, _ = fused_round(
+        tparams, llama.bucket_view(tcache, bucket), dparams, llama.bucket_view(dcache, bucket), r.cur, s, p,
+        r.limit, r.steps, fold_in(keys, 2), fold_in(keys, 1), r.rs, ctrl, ctl=ctl, **kw,
     )  # fmt: skip
-    rows = dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
-    return out, sp, pm, park(tcache, active_B), park(dcache, active_B), rows
+    tcache = llama.bucket_merge(tcache, park(tc, act), bucket)
+    dcache = llama.bucket_merge(dcache, park(dc, act), bucket)
+    sp, pm = put_rows((sp, pm), (s, p), bucket)
+    cur, steps = put_rows((rows.cur, rows.steps), (nxt, r.steps + 1), bucket)
+    rows = dataclasses.replace(rows, cur=cur, steps=steps)
+    return pad_rows(out, active_B.shape[0]), sp, pm, tcache, dcache, rows
 
 
 def verify_slot(tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter):
@@ -275,9 +297,10 @@ def first_slot(dparams, dcache, rows, sp: Proposal, pm, slots_R, new, ctrl, *, c
 
 
 @functools.lru_cache(maxsize=64)
-def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None):
+def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None, bucket: int | None = None):
     """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
-    cache only: the draft's tree region lies past the context)."""
+    cache only: the draft's tree region lies past the context). ``bucket``: the fused rounds run the first
+    ``bucket`` slots only (the split rounds, admission and the n-gram path run every slot)."""
     p, nf = functools.partial, opts.needs_filter
     C = Compiled
     progs = {
@@ -290,8 +313,19 @@ def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None
         fn = p(advance_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b)
         progs[f"advance_{b}"] = C(fn, donate_argnums=(2,), name=f"advance_{b}")
     for b in ("neural", "random"):
-        fn = p(fused_slot_round, cfg=tcfg, dcfg=dcfg, opts=opts, ctl=ctl, backup=b, needs_filter=nf)
-        progs[f"round_{b}"] = C(windowed(fn, window, (1,)), donate_argnums=(1, 3), name=f"ssd_round_{b}")
+        fn = p(
+            fused_slot_round,
+            cfg=tcfg,
+            dcfg=dcfg,
+            opts=opts,
+            ctl=ctl,
+            backup=b,
+            needs_filter=nf,
+            bucket=bucket,
+        )
+        progs[f"round_{b}"] = C(
+            windowed(fn, window, (1,)), donate_argnums=(1, 3), name=f"ssd_round_{b}_b{bucket}"
+        )
         for whole in (False, True):
             fn = p(first_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b, whole=whole)
             progs[f"first_{b}_{whole}"] = C(fn, donate_argnums=(1,), name=f"first_{b}")

@@ -199,7 +199,12 @@ def advance(
         def keep(cache):
             return tokens, q, cache
 
-        f_tok, f_q, cache = jax.lax.cond(jnp.any(live_B & ~hit), redraft, keep, cache)
+        if cache.batch_size < cache.k[0].shape[0]:
+            # a batch bucket's view: XLA:CPU copies a conditional's operand buffers (here the draft's whole
+            # cache); re-drafting every round costs K draft steps of the bucket's rows instead
+            f_tok, f_q, cache = redraft(cache)
+        else:
+            f_tok, f_q, cache = jax.lax.cond(jnp.any(live_B & ~hit), redraft, keep, cache)
         tokens = jnp.where(hit[:, None], tokens, f_tok)
         if q is not None:
             q = jnp.where(hit[:, None, None], q, f_q)

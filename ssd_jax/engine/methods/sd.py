@@ -60,8 +60,9 @@ class SD(Method):
         # the Ks the plan can pick at some acceptance (programs for the others would never run); K = 0 is
         # an AR round (for a draft model: with the draft idle, ``ssd_jax.decoding.sd_lag``)
         self.plan = plan
-        tables = [p.table for _, p in getattr(plan, "plans", ((None, plan),))] if plan is not None else []
-        ks = {self.K}.union(*(set(t.tolist()) for t in tables))
+        ks = {self.K}
+        if plan is not None:  # by bucket: the exploring rounds' Ks too (kchoice.EXPLORE_EVERY)
+            ks |= plan.ks_used() if hasattr(plan, "plans") else set(plan.table.tolist())
         self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
         self.lags = self.kind == "model" and 0 in self.widths
         self.k_max = max(self.widths)
@@ -118,7 +119,7 @@ class SD(Method):
         plan = self.plan
         if plan is None or not hasattr(plan, "plans"):
             return self.widths
-        own = set(plan.plan(bucket).table.tolist()) | ({0} if self.kind == "host" else set())
+        own = plan.plan(bucket).ks_used() | ({0} if self.kind == "host" else set())
         return sorted(own)
 
     def compile_rounds(self, windows) -> None:

@@ -76,6 +76,8 @@ class SSD(Method):
         self.trace_path = trace_path
         self.profiled = bool(trace_path) or spec.profile_stages
         self.fused = placement.single and not self.profiled
+        # batch buckets: the fused round (one device) runs the smallest bucket holding the running rows
+        self.bucketed = self.fused
         self.kinds = {
             "neural": ["neural"],
             "random": ["random"],
@@ -131,7 +133,8 @@ class SSD(Method):
             for w in windows:
                 for kind in self.kinds:
                     self._forced = kind
-                    self.read(self.dispatch(off, w, mode), off, off)
+                    for b in self.buckets if self.fused and kind != "host" else (None,):
+                        self.read(self.dispatch(off, w, mode, b), off, off)
         self._forced = None
         self.calls, self.meta_next[:] = 0, 0
         self.stats = SSDStats(self.B)
@@ -140,10 +143,15 @@ class SSD(Method):
             dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
         self.origin = time.perf_counter()
 
-    def _progs(self, mode, window=None):
+    def _progs(self, mode, window=None, bucket=None):
         opts = dataclasses.replace(self.opts, needs_filter=self.carry_q and mode.needs_filter)
         return ssd_programs(
-            self.model.cfg, self.draft.cfg, opts, self.ctl, self.window(window or self.max_len)
+            self.model.cfg,
+            self.draft.cfg,
+            opts,
+            self.ctl,
+            self.window(window or self.max_len),
+            self.bucket(bucket),
         )
 
     def _ctrl(self, live):
@@ -208,11 +216,13 @@ class SSD(Method):
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
         kind = self.choose_kind(live)
         self._next_kind = kind
-        progs, ctrl = self._progs(mode, window), self._ctrl(live)
+        ctrl = self._ctrl(live)
         rnd = SSDRound(kind, self.sched, None)
         active = self.active(live)
         if self.fused and kind != "host":
-            rnd.out, self.sp, self.pm, self.tcache, self.dcache, self.rows = progs[f"round_{kind}"](
+            rnd.out, self.sp, self.pm, self.tcache, self.dcache, self.rows = self._progs(
+                mode, window, bucket
+            )[f"round_{kind}"](
                 self.model.params,
                 self.tcache,
                 self.draft.params,
@@ -226,7 +236,7 @@ class SSD(Method):
             self.drows = self.rows
             self.calls += 1
             return rnd
-        return self._dispatch_split(rnd, progs, ctrl, live, active)
+        return self._dispatch_split(rnd, self._progs(mode, window), ctrl, live, active)
 
     def _dispatch_split(self, rnd, progs, ctrl, live, active) -> SSDRound:
         pl, tl, step = self.pl, self.tl, self.calls + 1
