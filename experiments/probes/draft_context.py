@@ -69,7 +69,7 @@ def measure(a) -> dict:
         for i, conv in enumerate(convs):
             ids = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False)
             out = generate(target, [ids], SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)).outputs[0]
-            seq = ids + list(out.token_ids)
+            seq = ids + list(out["token_ids"])
             row = {"set": name, "prompt": i, "prompt_len": len(ids), "matches": {}}
             for w in (None, *WINDOWS):
                 start = 0 if w is None or w >= len(ids) else len(ids) - w

@@ -322,6 +322,8 @@ class Engine:
     def _sync_pages(self) -> None:
         if self.pages is not None and (table := self.pages.take_table()) is not None:
             self.method.set_pages(table)
+            if self.metrics is not None:  # the table changes as blocks are taken and given back
+                self.metrics.kv_usage.set(self.pages.pool.usage)
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
         self.rounds += 1

@@ -78,12 +78,14 @@ class SSD(Method):
         self.fused = placement.single and not self.profiled
         # batch buckets: the fused round (one device) runs the smallest bucket holding the running rows
         self.bucketed = self.fused
-        self.kinds = {
-            "neural": ["neural"],
-            "random": ["random"],
-            "ngram": ["host"],
-            "auto": ["neural", "host"],
-        }[spec.backup]
+        # auto on one device is the neural backup: the n-gram lookup needs the round's tokens on the host,
+        # which splits the fused round into three calls over every slot and a host read (SmolLM2, one live
+        # row in an 8-slot engine: 62-67 ms a token against 24-25 with the neural backup); the critical
+        # batch size b* decides between them where the draft has hardware of its own
+        auto = ["neural"] if placement.single else ["neural", "host"]
+        self.kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": auto}[
+            spec.backup
+        ]
         self.first_kind = "random" if spec.backup == "random" else "neural"
         self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
         self.calls = 0
@@ -200,7 +202,7 @@ class SSD(Method):
     def choose_kind(self, live) -> str:
         if self._forced is not None:
             return self._forced
-        if self.spec.backup != "auto":
+        if len(self.kinds) == 1:  # one backup (auto on one device: the neural one)
             return self.kinds[0]
         m, c = self.means, self.costs
         self.b_star = fo.critical_batch_size(
