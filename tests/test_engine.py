@@ -11,6 +11,7 @@ from test_sd import tiny_model
 from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax.engine.core import Engine, Mode, Sequence
 from ssd_jax.engine.methods import build_method
+from ssd_jax.errors import UserError
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 3, 5, 7, 2, 9, 4], [20, 21], [5, 5, 5, 5]]
 SPECS = {
@@ -203,3 +204,35 @@ def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
         runs.append([s.row.tokens for s in seqs])
     assert runs[0] == runs[1]
     assert engine.preemptions > 0
+
+
+def _window_acceptance(pair, context, **paged):
+    """Greedy SD with the target as its own draft, prefill in chunks of 4, the draft seeing only the last
+    ``context`` prompt tokens: (output equal to AR's, acceptance)."""
+    target, _ = pair
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    spec = SpecConfig(
+        method="sd", draft=target, k=3, draft_dtype=None, draft_vocab=None, draft_context=context
+    )
+    engine = _engine((target, target), spec, sp, slots=2, **paged)
+    prompts = [SHARED + p for p in PROMPTS[:3]]
+    seqs = [Sequence(p, sp) for p in prompts]
+    engine.submit(seqs)
+    engine.run()
+    alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in prompts]
+    assert [s.row.tokens for s in seqs] == alone
+    return sum(s.accepted for s in seqs) / sum(s.drafted for s in seqs)
+
+
+def test_draft_context_window_is_exact_and_hides_the_prompt(pair):
+    """``draft_context``: the draft prefills and sees only the chunks holding the last W prompt tokens. Greedy
+    output equals AR's whatever W; the target as its own draft accepts everything with a window wider than
+    the prompts (nothing hidden) and less with W = 2 (a 4-token chunk of a 25-token prompt: the control
+    that shows the window is applied), also over a paged cache."""
+    assert _window_acceptance(pair, 64) > 0.97
+    assert _window_acceptance(pair, 2) < 0.9
+    assert _window_acceptance(pair, 2, kv_blocks=40, block_size=4) < 0.9
+    with pytest.raises(UserError, match="draft-context"):
+        SpecConfig(method="sd", draft="ngram", draft_context=8).validate()
+    with pytest.raises(UserError, match="draft-context"):
+        SpecConfig(method="sd", draft="x", draft_context=0).validate()

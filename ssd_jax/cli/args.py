@@ -54,6 +54,14 @@ def add_spec_args(p) -> None:
         "head or a 32,768-token one, whichever this machine's calibration expects to be faster",
     )
     g.add_argument(
+        "--draft-context",
+        type=int,
+        default=None,
+        metavar="W",
+        help="SD with a draft model: the draft prefills and sees only the last W prompt tokens (and what "
+        "is generated); exact, it saves most of the draft's prefill on long prompts (default: the whole prompt)",
+    )
+    g.add_argument(
         "--draft-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
@@ -121,6 +129,7 @@ def spec_from_args(args):
         profile_stages=getattr(args, "profile_stages", False),
         draft_vocab=args.draft_vocab,
         draft_dtype=getattr(args, "draft_dtype", "auto"),
+        draft_context=getattr(args, "draft_context", None),
     )
 
 

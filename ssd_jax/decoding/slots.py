@@ -76,22 +76,29 @@ def gather_rows(cache: KVCache, slots_R, starts_R, whole: bool) -> KVCache:
     (static): the slots are every row in order, so nothing is copied."""
     if whole:
         return cache.with_lengths(starts_R)
+    start = None if cache.start is None else cache.start[slots_R]
     if cache.pages is not None:  # paged: the rows' block tables, the pool itself (nothing copied)
-        return KVCache(cache.k, cache.v, starts_R, cache.window, cache.pages[slots_R])
-    return KVCache([x[slots_R] for x in cache.k], [x[slots_R] for x in cache.v], starts_R, cache.window)
+        return KVCache(cache.k, cache.v, starts_R, cache.window, cache.pages[slots_R], start)
+    return KVCache(
+        [x[slots_R] for x in cache.k], [x[slots_R] for x in cache.v], starts_R, cache.window, None, start
+    )
 
 
 def scatter_rows(cache: KVCache, rows: KVCache, slots_R, whole: bool) -> KVCache:
     """``cache`` with rows ``slots_R`` (and their lengths) replaced by ``rows``."""
     if whole:
         return rows
+    start = None if cache.start is None else cache.start.at[slots_R].set(rows.start)
+    lengths = cache.lengths.at[slots_R].set(rows.lengths)
     if cache.pages is not None:  # paged: the pool was written through the rows' tables
-        return KVCache(rows.k, rows.v, cache.lengths.at[slots_R].set(rows.lengths), cache.window, cache.pages)
+        return KVCache(rows.k, rows.v, lengths, cache.window, cache.pages, start)
     return KVCache(
         [x.at[slots_R].set(r) for x, r in zip(cache.k, rows.k)],
         [x.at[slots_R].set(r) for x, r in zip(cache.v, rows.v)],
-        cache.lengths.at[slots_R].set(rows.lengths),
+        lengths,
         cache.window,
+        None,
+        start,
     )
 
 
@@ -121,9 +128,15 @@ def prefill_target(
     return tok, lpc, cache, set_rows(rows, slots_R, new)
 
 
-def prefill_draft(params, cache: KVCache, tokens_RxC, n_valid_R, slots_R, starts_R, *, cfg, whole):
-    """The draft's half of a prefill chunk: write the chunk into its cache rows (no sampling)."""
+def prefill_draft(
+    params, cache: KVCache, tokens_RxC, n_valid_R, slots_R, starts_R, *, cfg, whole, first=False
+):
+    """The draft's half of a prefill chunk: write the chunk into its cache rows (no sampling). ``first``
+    (static; a cache with ``start``): the first chunk the draft sees of these rows, so each row's visible
+    slots begin at this chunk (a draft context window: the chunks before it were skipped)."""
     part = gather_rows(cache, slots_R, starts_R, whole)
+    if first:
+        part = dataclasses.replace(part, start=starts_R.astype(jnp.int32))
     part = draft_prefill(params, part, tokens_RxC, n_valid_R, cfg=cfg)
     return scatter_rows(cache, part, slots_R, whole)
 
@@ -195,6 +208,6 @@ def target_prefill_program(
 
 
 @functools.lru_cache(maxsize=64)
-def draft_prefill_program(cfg, whole: bool, window: int | None) -> Compiled:
-    fn = functools.partial(prefill_draft, cfg=cfg, whole=whole)
+def draft_prefill_program(cfg, whole: bool, window: int | None, first: bool = False) -> Compiled:
+    fn = functools.partial(prefill_draft, cfg=cfg, whole=whole, first=first)
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="draft_prefill")

@@ -56,6 +56,10 @@ class SpecConfig:
         costs; ``k`` is the first round's K). ``k="auto"`` sets it for SD on one device (the
         default loop; the two-mesh and ``profile_stages`` loops keep K fixed); None = K fixed.
         ``metrics`` then has ``k_mean``, ``k_rounds`` and ``alpha_online``.
+      draft_context: SD with a draft model on one device: the draft prefills and attends to only the
+        last ``draft_context`` tokens of each prompt (rounded down to a prefill chunk's start; plus
+        everything generated), which saves most of its prefill on long prompts. Exact (the draft
+        only proposes); None (the default): the whole prompt.
     """
 
     method: str = "ar"
@@ -73,6 +77,7 @@ class SpecConfig:
     draft_vocab: int | str | None = "auto"
     k_plan: Any = None
     draft_dtype: str | None = "auto"
+    draft_context: int | None = None
 
     def validate(self, n_devices: int | None = None) -> None:
         """Raise UserError for any value out of range (whatever the method, so a typo in an
@@ -149,6 +154,11 @@ class SpecConfig:
             raise UserError(
                 f"unknown draft dtype {self.draft_dtype!r} (choose from {', '.join(DRAFT_DTYPES)})"
             )
+        dc = self.draft_context
+        if dc is not None and (isinstance(dc, bool) or not isinstance(dc, (int, np.integer)) or dc < 1):
+            raise UserError(f"draft-context must be a positive number of tokens, got {dc!r}")
+        if dc is not None and (self.method != "sd" or self.draft in ("ngram", "random")):
+            raise UserError("--draft-context applies to SD with a draft model (--method sd --draft MODEL)")
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan

@@ -49,13 +49,17 @@ class KVCache:
     ``pages[b, s // bs]``, offset ``s % bs``. An entry ``N`` (or beyond) is no block: writes there are
     dropped (a free row, or slots past what a row was given). Rows share blocks by naming the same
     ones (a cached prompt prefix, ``ssd_jax.engine.blocks``); a row in a bucket, a prefill of some
-    rows, a window: a view of the table, never a copy of keys and values."""
+    rows, a window: a view of the table, never a copy of keys and values.
+
+    ``start`` (B,), optional: each row attends to its slots from ``start`` on only (a draft that sees just
+    the last tokens of its prompt, ``SpecConfig.draft_context``); the slots below may hold anything."""
 
     k: list[jax.Array]
     v: list[jax.Array]
     lengths: jax.Array  # (B,) int32
     window: int | None = dataclasses.field(default=None, metadata={"static": True})
     pages: jax.Array | None = None  # (B, P) int32 block table of a paged cache
+    start: jax.Array | None = None  # (B,) int32 first visible slot of each row (None: 0)
 
     @property
     def batch_size(self) -> int:
@@ -72,7 +76,7 @@ class KVCache:
         return self.k[0].shape[1]
 
     def with_lengths(self, lengths: jax.Array) -> KVCache:
-        return KVCache(self.k, self.v, lengths.astype(jnp.int32), self.window, self.pages)
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
     def with_window(self, window: int | None) -> KVCache:
         return dataclasses.replace(self, window=window)
@@ -84,7 +88,8 @@ def bucket_view(cache: KVCache | None, b: int | None) -> KVCache | None:
     if cache is None or b is None:
         return cache
     pages = None if cache.pages is None else cache.pages[:b]
-    return KVCache(cache.k, cache.v, cache.lengths[:b], cache.window, pages)
+    start = None if cache.start is None else cache.start[:b]
+    return KVCache(cache.k, cache.v, cache.lengths[:b], cache.window, pages, start)
 
 
 def bucket_merge(full: KVCache | None, part: KVCache | None, b: int | None) -> KVCache | None:
@@ -92,7 +97,8 @@ def bucket_merge(full: KVCache | None, part: KVCache | None, b: int | None) -> K
     lengths replaced."""
     if full is None or b is None:
         return part
-    return KVCache(part.k, part.v, full.lengths.at[:b].set(part.lengths), part.window, full.pages)
+    start = None if full.start is None else full.start.at[:b].set(part.start)
+    return KVCache(part.k, part.v, full.lengths.at[:b].set(part.lengths), part.window, full.pages, start)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -243,6 +249,8 @@ def forward(
         positions_BxT = slots_BxT
     if mask_BxTxS is None:
         mask_BxTxS = causal_slot_mask(slots_BxT, cache.max_len)
+        if cache.start is not None:  # a row's slots below its start are hidden
+            mask_BxTxS = mask_BxTxS & (jnp.arange(cache.max_len)[None, None, :] >= cache.start[:, None, None])
     inv_freq = rope_inv_freq(cfg)
     x = embed_tokens(params, cfg, tokens_BxT).astype(cfg.jnp_dtype)
     new_k, new_v = [], []
@@ -269,7 +277,7 @@ def forward(
         u = matmul(h, layer["w_up"], cfg.forms.up)
         x = x + matmul(jax.nn.silu(g) * u, layer["w_down"], cfg.forms.down)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, KVCache(new_k, new_v, cache.lengths, cache.window, cache.pages)
+    return x, dataclasses.replace(cache, k=new_k, v=new_v)
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

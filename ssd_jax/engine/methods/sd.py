@@ -73,6 +73,9 @@ class SD(Method):
         self.dcache = (
             cache_for(self.draft, self.B, self.max_len, self.paged) if self.draft is not None else None
         )
+        self.context = self.spec.draft_context if self.draft is not None else None
+        if self.context is not None:  # each row's first visible slot (set by its first prefilled chunk)
+            self.dcache = dataclasses.replace(self.dcache, start=self.put(np.zeros(self.B, np.int32)))
         self.catch = self.put(np.bool_(False))
         self._zeros: dict[int, tuple] = {}  # proposal width -> the device zeros a non-host round passes
         self._progs: dict = {}
@@ -178,8 +181,12 @@ class SD(Method):
     def admit(self, chunks, new: Rows):
         first = np.asarray(self.admit_target(chunks, new))
         if self.draft is not None:
-            for c in chunks:
-                prog = draft_prefill_program(self.draft.cfg, c.whole, self.window(c.window))
+            opening = True
+            for c in self._draft_chunks(chunks):
+                prog = draft_prefill_program(
+                    self.draft.cfg, c.whole, self.window(c.window), opening and self.context is not None
+                )
+                opening = False
                 self.dcache = prog(
                     self.draft.params, self.dcache, self.put(c.tokens), self.put(c.n_valid), self.put(c.slots),
                     self.put(c.starts),
@@ -190,6 +197,17 @@ class SD(Method):
                 self.lag_n = self._reset_lag(self.lag_n, self.put(admitted))
             jax.block_until_ready(self.dcache)
         return first, self.first_logprobs()
+
+    def _draft_chunks(self, chunks):
+        """The prefill chunks the draft runs: all of them, or with a context window W those from the first
+        that holds one of a row's last W prompt tokens (the chunk that holds a row's last token always
+        runs, so every row's window starts at that first chunk)."""
+        if self.context is None:
+            return chunks
+        ends = [c.starts + c.n_valid for c in chunks]
+        lens = np.max(np.where([c.n_valid > 0 for c in chunks], ends, 0), axis=0)
+        need = [bool(((c.n_valid > 0) & (e > lens - self.context)).any()) for c, e in zip(chunks, ends)]
+        return chunks[need.index(True) :]
 
     def admitted(self, slots, prompts, first) -> None:
         if self.kind == "host":  # the n-gram lookup's history: the whole prompt (a cached prefix included)
