@@ -236,3 +236,28 @@ def test_draft_context_window_is_exact_and_hides_the_prompt(pair):
         SpecConfig(method="sd", draft="ngram", draft_context=8).validate()
     with pytest.raises(UserError, match="draft-context"):
         SpecConfig(method="sd", draft="x", draft_context=0).validate()
+
+
+def test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact(pair):
+    """SSD on one device builds a round's tree without the draft's q when every live row is greedy (the
+    speculations keep their q for rows that sample later). Greedy rows beside a sampled one still equal
+    AR, and the seeded sampled row draws the same tokens as alone (batch buckets on)."""
+    target, draft = pair
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    hot = SamplingParams(temperature=1.0, top_k=20, seed=3, max_new_tokens=8, ignore_eos=True)
+    spec = SPECS["ssd"](draft)
+
+    def run(items):
+        method = build_method(target, spec, (Mode.of([greedy]), Mode.of([hot])), lambda name: draft)
+        engine = Engine(
+            method, max_batch=4, max_len=64, prefill_chunk=4, admit_together=False, batch_buckets=3
+        )
+        seqs = [Sequence(p, sp) for p, sp in items]
+        engine.submit(seqs)
+        engine.run()
+        return [s.row.tokens for s in seqs]
+
+    alone = run([(PROMPTS[1], hot)])[0]
+    mixed = run([(PROMPTS[0], greedy), (PROMPTS[1], hot), (PROMPTS[2], greedy)])
+    ar = [generate(target, [p], greedy).outputs[0]["token_ids"] for p in (PROMPTS[0], PROMPTS[2])]
+    assert [mixed[0], mixed[2]] == ar and mixed[1] == alone

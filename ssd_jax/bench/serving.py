@@ -276,6 +276,17 @@ def _prefix_hits(before: dict, after: dict) -> float | None:
     return h / q if q else None
 
 
+def _paired_ratio(mine: dict, base: dict) -> str:
+    """The mean of per-repeat throughput ratios to AR's [95% t-interval] ("-" without AR)."""
+    rs = [mine[k] / base[k] for k in mine if base.get(k)]
+    if not rs:
+        return "-"
+    if len(rs) == 1:
+        return f"{rs[0]:.2f}x"
+    m, lo, hi = mean_ci(rs)
+    return f"{m:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
 def _avg(xs) -> str:
     return "-" if not xs else f"{sum(xs) / len(xs):.2f}"
 
@@ -293,12 +304,15 @@ def render(rows: list[dict], env: dict) -> str:
     hits: dict[tuple, list] = {}
     prefix: dict[tuple, list] = {}
     preempt: dict[tuple, float] = {}
+    per_rep: dict[tuple, dict] = {}  # (method, rate) -> {repeat: throughput}
     for r in rows:
         key = (r.get("method"), r.get("rate"))
         if r.get("kind") == "request":
             cells.setdefault(key, []).append(r)
         elif r.get("kind") == "load":
             spans.setdefault(key, []).append((r["span"], r["tokens"]))
+            if r["span"] > 0:
+                per_rep.setdefault(key, {})[r.get("repeat")] = r["tokens"] / r["span"]
             if r.get("acceptance") is not None:
                 acc.setdefault(key, []).append(r["acceptance"])
             if r.get("cache_hit_rate") is not None:
@@ -316,7 +330,9 @@ def render(rows: list[dict], env: dict) -> str:
         + (f"; a shared {env['system_tokens']}-token system message" if env.get("system_tokens") else "")
         + f". Load average (1 min) at start: {env.get('loadavg')}; per cell: {_load_range(rows)}.",
         "",
-        "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]. "
+        "Throughput = output tokens / (last finish - first arrival), mean over repeats [95% t-interval]; "
+        "vs ar: the mean over repeats of the throughput ratio to AR in the same repeat (the same arrivals "
+        "and prompts) [95% t-interval]. "
         "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
         "requests of the cell.",
         "",
@@ -327,17 +343,13 @@ def render(rows: list[dict], env: dict) -> str:
     rates = sorted({k[1] for k in cells})
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for rate in rates:
-        base = (
-            cell_summary(cells[("ar", rate)], spans.get(("ar", rate), []))["throughput"][0]
-            if ("ar", rate) in cells
-            else None
-        )
+        base = per_rep.get(("ar", rate), {})
         for m in methods:
             if (m, rate) not in cells:
                 continue
             s = cell_summary(cells[(m, rate)], spans.get((m, rate), []))
             t = s["throughput"]
-            ratio = f"{t[0] / base:.2f}x" if base else "-"
+            ratio = _paired_ratio(per_rep.get((m, rate), {}), base)
             a, h, px = acc.get((m, rate)), hits.get((m, rate)), prefix.get((m, rate))
             lines.append(
                 f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "

@@ -215,6 +215,8 @@ def fused_round(
         backup=backup,
     )
     host = jnp.concatenate([out[:, : K + 2], meta, out[:, K + 2 :]], axis=1)  # meta before the log-probs
+    if sp.q is None and spec.q is not None:  # a greedy round (opts.greedy): the speculations keep their q
+        sp = dataclasses.replace(sp, q=spec.q)
     return host, sp, pm, tcache, dcache, nxt, step + 1
 
 

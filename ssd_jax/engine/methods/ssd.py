@@ -145,8 +145,12 @@ class SSD(Method):
             dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
         self.origin = time.perf_counter()
 
-    def _progs(self, mode, window=None, bucket=None):
-        opts = dataclasses.replace(self.opts, needs_filter=self.carry_q and mode.needs_filter)
+    def _progs(self, mode, window=None, bucket=None, admission=False):
+        # a round whose rows are all greedy builds its tree without the draft's distributions q (the
+        # verifier compares tokens only), keeping the speculations' q as they were; admission computes q
+        # whenever a row may sample (its first speculation is verified by the next round, of any mode)
+        greedy = not self.carry_q or (mode.greedy and not admission)
+        opts = dataclasses.replace(self.opts, needs_filter=self.carry_q and mode.needs_filter, greedy=greedy)
         return ssd_programs(
             self.model.cfg,
             self.draft.cfg,
@@ -174,7 +178,9 @@ class SSD(Method):
         tok_d, tok_all = (tok, tok) if pl.single else pl.to_draft(tok)
         new_d = dataclasses.replace(jax.tree.map(dput, new), cur=tok_d)
         slots = chunks[0].slots
-        first = self._progs(next(iter(self.modes)))[f"first_{self.first_kind}_{chunks[0].whole}"]
+        first = self._progs(next(iter(self.modes)), admission=True)[
+            f"first_{self.first_kind}_{chunks[0].whole}"
+        ]
         live = np.zeros(self.B, bool)
         live[slots] = True
         self.sp, self.pm, self.dcache, self.drows = first(
@@ -285,9 +291,12 @@ class SSD(Method):
                 self.dput(np.zeros((self.B, self.K), np.int32)),
                 self.dput(np.zeros(self.B, np.int32)),
             )
+        q = self.sp.q
         self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
             self.draft.params, tree, self.dcache, outcome, self.drows, ctrl, host_tok, host_n, active_d
         )
+        if self.sp.q is None and q is not None:  # a greedy round: the speculations keep their q
+            self.sp = dataclasses.replace(self.sp, q=q)
         tl.record("advance", self.dlane, self.sp.tokens, round=step)
         if pl.bridge is None:
             self.sp_t, rnd.meta = ssd_host.spec_to_target(self.sp, pl), meta
