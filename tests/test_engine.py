@@ -79,10 +79,10 @@ def test_a_seeded_row_ignores_its_batch(pair, method):
     assert alone[0]["token_ids"] != alone[1]["token_ids"]  # the two samples draw from their own streams
 
 
-# AR, SD and n-gram slow-set here (default-suite budget): by default test_serve's servers run buckets over
-# HTTP, and the paged and server-path tests below run them too
+# slow-set here (default-suite budget): by default test_serve's servers run buckets over HTTP, the paged and
+# server-path tests below run them too, and SSD's run in test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact
 @pytest.mark.parametrize(
-    "method", ["ssd", *(pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram"))]
+    "method", [pytest.param(m, marks=pytest.mark.slow) for m in ("ssd", "sd", "ar", "ngram")]
 )
 def test_batch_buckets_run_the_running_rows_only(pair, method):
     """Four slots compiled for 1, 2 and 4 rows: as sequences end, rounds run the smallest bucket holding
@@ -236,6 +236,8 @@ def test_draft_context_window_is_exact_and_hides_the_prompt(pair):
         SpecConfig(method="sd", draft="ngram", draft_context=8).validate()
     with pytest.raises(UserError, match="draft-context"):
         SpecConfig(method="sd", draft="x", draft_context=0).validate()
+    with pytest.raises(UserError, match="draft-context"):
+        SpecConfig(method="sd", draft="x", draft_context=8, draft_devices=1).validate()
 
 
 def test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact(pair):

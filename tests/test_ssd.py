@@ -381,7 +381,8 @@ def test_bad_ssd_input(pair):
         )
 
 
-@pytest.mark.parametrize("backup", ["neural", "random", "auto"])
+# auto is the neural backup on one device: slow-set (default-suite budget)
+@pytest.mark.parametrize("backup", ["neural", "random", pytest.param("auto", marks=pytest.mark.slow)])
 def test_one_call_rounds_equal_profiled_rounds(pair, backup):
     """On one device a round is ONE compiled call (queued ahead of the host's reads); the profiled path,
     with each stage its own call, draws the same tokens for the same seed."""

@@ -236,7 +236,7 @@ class OnlineK:
         self.rejections += int((a < d).sum())
         self.k = self.plan.k_at(self.alpha)
 
-    def k_for(self, bucket: int | None) -> int:
+    def k_for(self, bucket: int | None, explore: bool = True) -> int:
         """The next round's K at ``bucket`` running rows: ``k`` with one plan, else the bucket's plan at
         the current α (a table lookup)."""
         if not isinstance(self.plan, BucketPlans):
@@ -248,7 +248,7 @@ class OnlineK:
             self.zero_run = 0
             return k
         self.zero_run += 1
-        if self.zero_run < EXPLORE_EVERY:
+        if self.zero_run < EXPLORE_EVERY or not explore:
             return 0
         self.zero_run, self.explored = 0, self.explored + 1
         return int(plan.positive_table[i])

@@ -159,6 +159,10 @@ class SpecConfig:
             raise UserError(f"draft-context must be a positive number of tokens, got {dc!r}")
         if dc is not None and (self.method != "sd" or self.draft in ("ngram", "random")):
             raise UserError("--draft-context applies to SD with a draft model (--method sd --draft MODEL)")
+        if dc is not None and (self.target_devices is not None or self.draft_devices is not None):
+            raise UserError(
+                "--draft-context runs with both models on one device (no --target/--draft-devices)"
+            )
         if self.fan_out_budget is not None and self.fan_out_budget < 1:
             raise UserError(f"fan-out budget must be >= 1, got {self.fan_out_budget}")
         if not 0.0 <= self.saguaro_c <= 1.0:  # also false for nan

@@ -241,11 +241,13 @@ class SD(Method):
         if self.kind == "host":  # its history ends with the token the re-admission sampled: cur instead
             self.history[b] = np.concatenate([self.history[b][:-1], np.array([cur], np.int32)])
 
-    def next_k(self, bucket=None) -> int:
-        return self.sched.k_for(bucket) if self.sched is not None else self.K
+    def next_k(self, bucket=None, explore=True) -> int:
+        return self.sched.k_for(bucket, explore) if self.sched is not None else self.K
 
     def dispatch(self, live, window, mode, bucket=None) -> SDRound:
-        k = self.next_k(bucket)
+        # exploring rounds only where every live row is greedy (its output does not depend on K), so a
+        # seeded sampled request's K schedule is the plan's, not the server's history
+        k = self.next_k(bucket, explore=mode.greedy)
         if self.lags:
             if k == 0:
                 return self._lag_round(live, window, mode, bucket)
