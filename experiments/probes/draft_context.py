@@ -63,12 +63,18 @@ def measure(a) -> dict:
     sets = {}
     for cat in ("code", "chat"):
         sets[cat] = [[{"role": "user", "content": r["prompt"]}] for r in load_prompts(cat, n=a.prompts)]
-    sets[f"chat + {a.system_tokens}-token system"] = [[{"role": "system", "content": system}, *m] for m in sets["chat"]]
+    sets[f"chat + {a.system_tokens}-token system"] = [
+        [{"role": "system", "content": system}, *m] for m in sets["chat"]
+    ]
     rows = []
     for name, convs in sets.items():
         for i, conv in enumerate(convs):
-            ids = tok.encode(tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False)
-            out = generate(target, [ids], SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)).outputs[0]
+            ids = tok.encode(
+                tok.apply_chat_template(conv, add_generation_prompt=True), add_special_tokens=False
+            )
+            out = generate(
+                target, [ids], SamplingParams(max_new_tokens=a.new_tokens, ignore_eos=True)
+            ).outputs[0]
             seq = ids + list(out["token_ids"])
             row = {"set": name, "prompt": i, "prompt_len": len(ids), "matches": {}}
             for w in (None, *WINDOWS):
@@ -76,7 +82,13 @@ def measure(a) -> dict:
                 m = teacher_forced_matches(draft, seq[start:], len(ids) - start, vocab=target.cfg.vocab_size)
                 row["matches"]["full" if w is None else str(w)] = [bool(x) for x in m]
             rows.append(row)
-            print(name, i, len(ids), {k: round(sum(v) / len(v), 2) for k, v in row["matches"].items()}, flush=True)
+            print(
+                name,
+                i,
+                len(ids),
+                {k: round(sum(v) / len(v), 2) for k, v in row["matches"].items()},
+                flush=True,
+            )
     return {
         "target": a.target, "draft": a.draft, "new_tokens": a.new_tokens, "system_tokens": a.system_tokens,
         "rows": rows, "loadavg": os.getloadavg()[0],
@@ -97,7 +109,9 @@ def report(path: str) -> str:
         f"greedy {d['new_tokens']}-token output; mean over prompts [95% CI]), the draft seeing the whole "
         f"prompt or only its last W tokens. Load {d['loadavg']:.1f}.",
         "",
-        "| prompts | mean prompt tokens | " + " | ".join("full" if k == "full" else f"W = {k}" for k in keys) + " |",
+        "| prompts | mean prompt tokens | "
+        + " | ".join("full" if k == "full" else f"W = {k}" for k in keys)
+        + " |",
         "|---|---|" + "---|" * len(keys),
     ]
     for name in dict.fromkeys(r["set"] for r in d["rows"]):
@@ -106,7 +120,11 @@ def report(path: str) -> str:
         for k in keys:
             m, lo, hi = mean_ci([float(np.mean(r["matches"][k])) for r in rs])
             cells.append(f"{m:.2f} [{lo:.2f}, {hi:.2f}]")
-        lines.append(f"| {name} ({len(rs)}) | {np.mean([r['prompt_len'] for r in rs]):.0f} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name} ({len(rs)}) | {np.mean([r['prompt_len'] for r in rs]):.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines += [
         "",
         f"A 64-token prefill chunk: target {c['target']:.1f} ms, draft {c['draft']:.1f} ms "
