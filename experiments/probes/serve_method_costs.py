@@ -9,7 +9,9 @@ SmolLM2 at 8 rows).
 
 Prints per method the median admission time of 5 chat-templated code prompts (64-token chunks; behind a
 shared system message of ``--system-tokens``, prefix caching off) and the median ms per token of each
-request decoded alone (greedy), the first request a warm-up.
+request decoded alone (greedy), the first request a warm-up. ``--rows 1 2 4``: instead, that many
+prompts admitted together and decoded to the end, twice per row count: ms per round and the wall time
+over the tokens all rows produced (a row's own time per token is that times the rows).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--draft", default="smollm2-135m-draft")
     ap.add_argument("--system-tokens", type=int, default=0)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--category", default="code", help="the prompt set")
+    ap.add_argument("--rows", type=int, nargs="*", help="round cost by live rows (see above)")
     a = ap.parse_args()
     t = ssd_jax.load_model(a.target)
     d = ssd_jax.load_model(a.draft)
@@ -51,7 +55,7 @@ def main() -> None:
     prompts = [
         tok.encode(tok.apply_chat_template([*system, {"role": "user", "content": r["prompt"]}], add_generation_prompt=True),
                    add_special_tokens=False)
-        for r in load_prompts("code", n=6)
+        for r in load_prompts(a.category, n=8)
     ]  # fmt: skip
     for name in a.methods:
         base, _, w = name.partition(":")
@@ -59,8 +63,11 @@ def main() -> None:
         method = build_method(t, spec, ALL_MODES, lambda n: d)
         e = Engine(method, max_batch=8, max_len=1024, prefill_chunk=64, admit_together=False, batch_buckets=4,
                    kv_blocks=512, block_size=16, prefix_caching=False)  # fmt: skip
+        if a.rows:
+            by_rows(e, prompts, sp, name, a.rows, a.new_tokens)
+            continue
         adm, per_tok = [], []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts[:6]):
             s = Sequence(p, sp)
             e.submit([s])
             t0 = time.perf_counter()
@@ -72,10 +79,25 @@ def main() -> None:
                 adm.append(a_s)
                 per_tok.append((time.perf_counter() - t1) / (a.new_tokens - 1))
         print(
-            f"{name}: admission {1e3 * np.median(adm):.0f} ms (prompts of {[len(p) for p in prompts[1:]]} tokens), "
+            f"{name}: admission {1e3 * np.median(adm):.0f} ms (prompts of {[len(p) for p in prompts[1:6]]} tokens), "
             f"alone {1e3 * np.median(per_tok):.1f} ms a token",
             flush=True,
         )
+
+
+def by_rows(e, prompts, sp, name: str, rows_list, new: int) -> None:
+    """Each row count twice: that many prompts admitted together, then decoded to the end."""
+    from ssd_jax.engine.core import Sequence
+
+    for rows in [*rows_list, *rows_list]:
+        e.submit([Sequence(p, sp) for p in prompts[:rows]])
+        while e.waiting:
+            e.step()
+        r0, t0 = e.rounds, time.perf_counter()
+        e.run()
+        dt = time.perf_counter() - t0
+        print(f"{name} rows={rows}: {1e3 * dt / (e.rounds - r0):.1f} ms a round, "
+              f"{1e3 * dt / (rows * (new - 1)):.1f} ms per row-token", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def sd_round(
             return run
 
         args = (dparams, dcache, prev_B, cur_B, kd, rs)
-        if dcache.pages is not None or dcache.batch_size < dcache.k[0].shape[0]:
+        if dcache.is_view:
             # a paged pool or a batch bucket's view: XLA:CPU copies a conditional's operand buffers, here
             # the whole pool (an 8-slot SmolLM2 draft's: 18 copies of 12.6 MB a round); the catch-up step
             # (rewriting the last slot with the token already there) costs one more draft token instead

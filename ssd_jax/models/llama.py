@@ -75,6 +75,12 @@ class KVCache:
             return self.pages.shape[1] * self.k[0].shape[1]
         return self.k[0].shape[1]
 
+    @property
+    def is_view(self) -> bool:
+        """A paged pool or a batch bucket's rows of larger buffers: XLA:CPU copies a conditional's operand
+        buffers whole, so a ``lax.cond`` over such a cache copies every layer's keys and values."""
+        return self.pages is not None or self.batch_size < self.k[0].shape[0]
+
     def with_lengths(self, lengths: jax.Array) -> KVCache:
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 

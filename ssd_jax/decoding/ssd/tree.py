@@ -199,9 +199,9 @@ def advance(
         def keep(cache):
             return tokens, q, cache
 
-        if cache.batch_size < cache.k[0].shape[0]:
-            # a batch bucket's view: XLA:CPU copies a conditional's operand buffers (here the draft's whole
-            # cache); re-drafting every round costs K draft steps of the bucket's rows instead
+        if cache.is_view:
+            # XLA:CPU would copy the draft's whole cache for the conditional; re-drafting every round costs
+            # K draft steps of the bucket's rows instead
             f_tok, f_q, cache = redraft(cache)
         else:
             f_tok, f_q, cache = jax.lax.cond(jnp.any(live_B & ~hit), redraft, keep, cache)
