@@ -263,3 +263,49 @@ def test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact(pair):
     mixed = run([(PROMPTS[0], greedy), (PROMPTS[1], hot), (PROMPTS[2], greedy)])
     ar = [generate(target, [p], greedy).outputs[0]["token_ids"] for p in (PROMPTS[0], PROMPTS[2])]
     assert [mixed[0], mixed[2]] == ar and mixed[1] == alone
+
+
+def _ssd_switching(pair, draft, zero=(4,)):
+    """Greedy SSD over 4 slots (buckets 1, 2, 4) with AR rounds at the ``zero`` buckets: (each row's
+    tokens, AR's, the rounds by K, the acceptance of the speculative rounds)."""
+    from ssd_jax.decoding.ssd.plan import BucketSwitch
+
+    target, _ = pair
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    spec = dataclasses.replace(SPECS["ssd"](draft), k_plan=BucketSwitch(2, 1.0, zero=zero))
+    engine = _engine(pair, spec, sp, slots=4, batch_buckets=3)
+    lengths = [24, 16, 10, 6, 12]
+    seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
+    engine.submit(seqs[:4])
+    for _ in range(12):  # AR rounds while 3-4 rows run, SSD rounds at 1-2, then a late arrival: AR again
+        engine.step()
+    engine.submit(seqs[4:])
+    engine.run()
+    ar = [generate(target, [p], sp).outputs[0]["token_ids"][:n] for p, n in zip(PROMPTS, lengths)]
+    acc = sum(s.accepted for s in seqs) / max(1, sum(s.drafted for s in seqs))
+    return [s.row.tokens for s in seqs], ar, dict(engine.method.k_rounds), acc
+
+
+def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair, monkeypatch):
+    """SSD's K auto in a server on one device runs AR rounds (K = 0) at the buckets where its round cannot
+    pay (``BucketSwitch``, here fixed: bucket 4). Switching back and forth, greedy output equals AR's;
+    with the target as its own draft every proposal is accepted exactly when the catch-up (the idle
+    draft's missed tokens, then a fresh speculation) is right: with the flush disabled (the control)
+    acceptance falls."""
+    from ssd_jax.decoding import sd_lag
+    from ssd_jax.decoding.ssd import rounds
+
+    target, draft = pair
+    got, ar, k_rounds, _ = _ssd_switching(pair, draft)
+    assert got == ar and k_rounds[0] > 0 and k_rounds[2] > 0, k_rounds
+    got, ar, k_rounds, _ = _ssd_switching(pair, draft, zero=(1, 2, 4))
+    assert got == ar and k_rounds[0] > 0 and k_rounds[2] == 0, k_rounds
+    got, ar, _, acc = _ssd_switching(pair, target)
+    assert got == ar and acc > 0.97, acc
+    rounds.ssd_programs.cache_clear()
+    monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
+    try:
+        got, ar, _, acc = _ssd_switching(pair, target)
+        assert got == ar and acc < 0.8, acc
+    finally:
+        rounds.ssd_programs.cache_clear()

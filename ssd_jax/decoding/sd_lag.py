@@ -15,6 +15,10 @@ writes them from slot ``length - 1`` on, rewriting ``prev``'s slot with ``prev``
 never waits: it counts the K = 0 rounds since the last flush (each emits one token per running row),
 which bounds every row's count, and flushes before the buffer could overflow.
 
+SSD's draft keeps a different convention (every slot below its length written, ``cur`` not yet):
+its AR rounds (``with_prev=False``) record ``cur`` alone and its flush (``back=0``) writes from the
+draft's own length (:func:`ssd_jax.decoding.ssd.rounds.catch_up_slot`).
+
 Exact whatever the schedule: the draft only proposes, and K is a function of earlier rounds only.
 """
 
@@ -35,7 +39,21 @@ from ssd_jax.models import llama
 LAG_MAX = 32
 
 
-def sd_lag_round(tparams, tcache, rows, catch_up, active_B, lag, lag_n, *, cfg, needs_filter, greedy, bucket):
+def sd_lag_round(
+    tparams,
+    tcache,
+    rows,
+    catch_up,
+    active_B,
+    lag,
+    lag_n,
+    *,
+    cfg,
+    needs_filter,
+    greedy,
+    bucket,
+    with_prev=True,
+):
     """An AR round over the engine's slots (:func:`runtime.ar_slot_round`) that records the tokens the
     idle draft misses. Returns what an SD round of K = 0 returns (host array (B, 2 + P): the token, 0
     accepted, the log-probability columns; tcache; the rows' (cur, prev, step); the catch-up flag,
@@ -43,7 +61,7 @@ def sd_lag_round(tparams, tcache, rows, catch_up, active_B, lag, lag_n, *, cfg, 
     out, cur, tcache, steps = runtime.ar_slot_round(
         tparams, tcache, rows, active_B, cfg=cfg, needs_filter=needs_filter, greedy=greedy, bucket=bucket
     )
-    first = lag_n == 0
+    first = (lag_n == 0) & with_prev  # SD's first lagging round records prev too; SSD's never
     col = jnp.arange(lag.shape[1])[None, :]
     on = active_B[:, None]
     lag = jnp.where(on & first[:, None] & (col == 0), rows.prev[:, None], lag)
@@ -55,22 +73,24 @@ def sd_lag_round(tparams, tcache, rows, catch_up, active_B, lag, lag_n, *, cfg, 
 
 
 @functools.lru_cache(maxsize=64)
-def sd_lag_round_program(cfg, needs_filter: bool, greedy: bool, window, bucket) -> Compiled:
+def sd_lag_round_program(cfg, needs_filter: bool, greedy: bool, window, bucket, with_prev=True) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 
-    fn = functools.partial(sd_lag_round, cfg=cfg, needs_filter=needs_filter, greedy=greedy, bucket=bucket)
+    fn = functools.partial(
+        sd_lag_round, cfg=cfg, needs_filter=needs_filter, greedy=greedy, bucket=bucket, with_prev=with_prev
+    )
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1, 5, 6), name="sd_lag_round")
 
 
-def draft_flush(dparams, dcache, lag, lag_n, *, dcfg, width, bucket):
+def draft_flush(dparams, dcache, lag, lag_n, *, dcfg, width, bucket, back=1):
     """The draft's cache level with the target's again: each row's ``lag_n`` recorded tokens written from
-    slot ``length - 1`` on (rows with none keep their cache; their forward writes land past their
-    length, where nothing is read). Returns (dcache, zero counts)."""
+    slot ``length - back`` on (SD: 1, SSD: 0; rows with none keep their cache; their forward writes land
+    past their length, where nothing is read). Returns (dcache, zero counts)."""
     from ssd_jax.decoding.slots import take_rows
 
     part = llama.bucket_view(dcache, bucket)
     n = take_rows(lag_n, bucket)
-    start = jnp.where(n > 0, part.lengths - 1, part.lengths)
+    start = jnp.where(n > 0, part.lengths - back, part.lengths)
     part = draft_prefill(dparams, part.with_lengths(start), take_rows(lag, bucket)[:, :width], n, cfg=dcfg)
     return llama.bucket_merge(dcache, part, bucket), jnp.zeros_like(lag_n)
 

@@ -96,7 +96,11 @@ def run(argv=None) -> int:
     engine, metrics, method = _serving_engine(args, spec, model, draft, max_len)
     name = args.served_model_name or str(args.target)
     k = 0 if spec.method == "ar" else int(spec.k)
-    ssd = f" fan-out budget={method.M} saguaro-c={spec.saguaro_c}" if spec.method == "ssd" else ""
+    ssd = (
+        f" fan-out budget={method.M} saguaro-c={spec.saguaro_c}{method.bucket_note()}"
+        if spec.method == "ssd"
+        else ""
+    )
     print(
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
@@ -181,14 +185,16 @@ def _prepared_draft(args, spec, model):
 def _resolved_k(args, spec, model, draft):
     """(spec with K resolved, the start-up line's note on it): K auto is measured (or read from the cache)
     for this pair at --max-batch rows and at each batch bucket; SD chooses K per round by the running rows'
-    bucket, K = 0 (AR rounds) where no K is expected to pay. A warning where SSD (K fixed) is expected to
-    lose to AR."""
+    bucket, K = 0 (AR rounds) where no K is expected to pay; SSD on one device runs AR rounds at the
+    buckets where its timed round does not pay (``ssd.plan.BucketSwitch``). A warning where SSD on two
+    meshes (K fixed) is expected to lose to AR."""
     if spec.method == "ar" or spec.k != "auto":
         return spec, ""
     from ssd_jax import load_model
     from ssd_jax.analysis.kchoice import BucketPlans
     from ssd_jax.decoding.kauto import resolve_k
     from ssd_jax.decoding.slots import batch_buckets
+    from ssd_jax.decoding.ssd.plan import BucketSwitch
     from ssd_jax.sampling.filters import SamplingParams
 
     with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
@@ -196,10 +202,16 @@ def _resolved_k(args, spec, model, draft):
     resolved, info, _ = resolve_k(
         model, with_draft, SamplingParams(), args.max_batch, load_model, buckets=buckets
     )
-    spec = dataclasses.replace(
-        spec, k=int(resolved.k), k_plan=resolved.k_plan, fan_out_budget=resolved.fan_out_budget
-    )
     plan = resolved.k_plan
+    # SSD on one device: AR rounds at the buckets where its round cannot pay
+    if "ssd_plan" in info and not info["ssd_overlap_model"]:
+        plan = BucketSwitch(int(resolved.k), float(info["ssd_plan"]["tokens_per_round"]))
+    spec = dataclasses.replace(spec, k=int(resolved.k), k_plan=plan, fan_out_budget=resolved.fan_out_budget)
+    if isinstance(plan, BucketSwitch):  # the buckets' choice is made once the rounds are compiled and timed
+        return (
+            spec,
+            f" (auto: alpha {info['alpha']:.2f}, {plan.tokens_per_round:.2f} tokens a round; {info['source']})",
+        )
     if isinstance(plan, BucketPlans):
         return spec, f" (auto: alpha {info['alpha']:.2f}; by running rows {plan.summary()}; {info['source']})"
     expected = info["expected_speedup_by_k"][str(spec.k)]

@@ -23,6 +23,8 @@ Expected speedup over AR: ``S = E[tokens a round]·t_ar / (p_hit·T_hit + (1 −
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ssd_jax.analysis.kchoice import interpolate_verify
@@ -114,3 +116,31 @@ def best_plan(plans: list[dict]) -> dict:
     return min(
         (p for p in plans if p["expected_speedup"] >= top * (1 - 1e-9)), key=lambda p: (p["k"], p["budget"])
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSwitch:
+    """SSD's K auto in a server on one device: at each batch bucket, rounds at the calibrated K or AR
+    rounds (K = 0, the draft idle; :mod:`ssd_jax.decoding.sd_lag`) where its round cannot pay.
+
+    SSD's K and fan-out budget fix its tree's shapes, so the choice per bucket is binary. It is made at
+    start-up from what the engine's own compiled rounds cost at that bucket (timed, not modelled: the
+    one-device round model above underprices the fused round) and the tokens a round emits per row
+    (:func:`round_plans`' simulation): speculate where ``tokens_per_round · t_ar(b) > t_round(b)``.
+    ``zero`` fixes the AR buckets instead (tests)."""
+
+    k: int
+    tokens_per_round: float
+    zero: tuple[int, ...] | None = None
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        return (self.k,)
+
+    def choose(self, alpha: float, bucket: int | None = None) -> int:
+        return self.k
+
+    def speculates(self, bucket: int, t_round: float, t_ar: float) -> bool:
+        if self.zero is not None:
+            return bucket not in self.zero
+        return self.tokens_per_round * t_ar > t_round

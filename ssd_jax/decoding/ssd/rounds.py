@@ -298,6 +298,32 @@ def first_slot(dparams, dcache, rows, sp: Proposal, pm, slots_R, new, ctrl, *, c
     return sp, pm, scatter_rows(dcache, part, slots_R, whole), set_rows(rows, slots_R, new)
 
 
+def catch_up_slot(dparams, dcache, rows, sp: Proposal, pm, lag, lag_n, ctrl, *, cfg, opts, ctl, bucket=None):
+    """SSD's return from AR rounds (K = 0): the idle draft's cache level with the target's again (the
+    recorded tokens written from its own length, :func:`ssd_jax.decoding.sd_lag.draft_flush`) and a new
+    speculation drafted from each such row's ``cur`` (neural, as at admission). Rows without recorded
+    tokens keep their speculation. Returns (sp, post-miss flags, dcache, zero counts)."""
+    from ssd_jax.decoding.sd_lag import LAG_MAX, draft_flush
+
+    _, _, fan, _ = ctl.unpack(ctrl)
+    need = lag_n > 0
+    dcache, lag_n = draft_flush(dparams, dcache, lag, lag_n, dcfg=cfg, width=LAG_MAX, bucket=bucket, back=0)
+    r, s, nd, f = take_rows((rows, sp, need, fan), bucket)
+    key = fold_in(fold_in(r.key_batch, 3), r.steps)  # a stream of its own (verify: 2, tree and lookup: 1)
+    toks, q, part = tree.draft_chain(
+        dparams, llama.bucket_view(dcache, bucket), r.cur, key, r.rs, f, cfg=cfg, opts=opts
+    )
+    dcache = llama.bucket_merge(dcache, part, bucket)
+    new = Proposal(
+        jnp.where(nd[:, None], toks, s.tokens),
+        jnp.where(nd, opts.k, s.n_draft),
+        None if s.q is None else jnp.where(nd[:, None, None], q, s.q),
+        s.hit & ~nd,
+    )
+    sp = put_rows(sp, new, bucket)
+    return sp, pm & ~need, dcache, lag_n
+
+
 @functools.lru_cache(maxsize=64)
 def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None, bucket: int | None = None):
     """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
@@ -331,4 +357,6 @@ def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None
         for whole in (False, True):
             fn = p(first_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b, whole=whole)
             progs[f"first_{b}_{whole}"] = C(fn, donate_argnums=(1,), name=f"first_{b}")
+    fn = p(catch_up_slot, cfg=dcfg, opts=opts, ctl=ctl, bucket=bucket)
+    progs["catch_up"] = C(fn, donate_argnums=(1, 6), name=f"ssd_catch_up_b{bucket}")
     return progs

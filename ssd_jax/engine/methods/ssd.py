@@ -12,13 +12,16 @@ import time
 import jax
 import numpy as np
 
+from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
+from ssd_jax.decoding.ssd.plan import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.decoding.trace import Timeline
+from ssd_jax.compile import Compiled
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
@@ -90,6 +93,12 @@ class SSD(Method):
         self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
         self.calls = 0
         self.b_star = None
+        # K auto in a server on one device: AR rounds (K = 0) at the buckets where SSD's round cannot pay
+        plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) else None
+        self.switch = plan if self.fused and "host" not in self.kinds else None
+        self.ar_buckets: set[int] = set()
+        self.bucket_costs: dict[int, dict] = {}
+        self.k_rounds = {0: 0, K: 0}
 
     # --- set-up
 
@@ -121,6 +130,12 @@ class SSD(Method):
             self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
             context=0.75 * self.max_len, device=pl.draft_devices[0],
         )  # fmt: skip
+        if self.switch is not None:  # the tokens an idle draft misses in AR rounds, per row
+            self.lag = self.put(np.zeros((B, sd_lag.LAG_MAX), np.int32))
+            self.lag_n = self.put(np.zeros(B, np.int32))
+            self.lag_rounds = 0
+            self._dummy_catch = self.put(np.bool_(False))
+            self._reset_lag = Compiled(sd_lag.reset_lag, donate_argnums=(0,), name="reset_lag")
         self.tl = Timeline(enabled=self.profiled)
         self.tlane, self.dlane = ssd_host.lane(pl.target_devices), ssd_host.lane(pl.draft_devices)
         self.hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
@@ -137,13 +152,91 @@ class SSD(Method):
                     self._forced = kind
                     for b in self.buckets if self.fused and kind != "host" else (None,):
                         self.read(self.dispatch(off, w, mode, b), off, off)
+                        if self.switch is not None:  # its AR round and its return to speculation
+                            self._forced_ar = True
+                            self.read(self.dispatch(off, w, mode, b), off, off)
+                            self._forced_ar = False
+                            self._catch_up(mode, b)
         self._forced = None
+        if self.switch is not None:
+            self._reset_lag.precompile(self.lag_n, self.put(off))
+            self._choose_buckets(windows)
         self.calls, self.meta_next[:] = 0, 0
+        self.k_rounds = {0: 0, self.K: 0}
         self.stats = SSDStats(self.B)
         self.tl = Timeline(enabled=self.profiled)
         if self.profiled and dist.multi_process():
             dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
         self.origin = time.perf_counter()
+
+    def _choose_buckets(self, windows, repeats: int = 5) -> None:
+        """At each bucket: time the compiled SSD round and AR round (the median of ``repeats`` over free
+        slots, the widest window, the first mode) and keep AR rounds where SSD's does not pay
+        (:class:`~ssd_jax.decoding.ssd.plan.BucketSwitch`)."""
+        off, mode, w = np.zeros(self.B, bool), self.modes[0], max(windows)
+
+        def timed(ar: bool, b: int) -> float:
+            self._forced_ar, ts = ar, []
+            for _ in range(repeats):
+                a = time.perf_counter()
+                self.drain(self.dispatch(off, w, mode, b))
+                ts.append(time.perf_counter() - a)
+            self._forced_ar = False
+            return float(np.median(ts))
+
+        for b in self.buckets:
+            t_round, t_ar = timed(False, b), timed(True, b)
+            self.bucket_costs[b] = {
+                "t_round_s": t_round,
+                "t_ar_s": t_ar,
+                "expected_speedup": self.switch.tokens_per_round * t_ar / t_round,
+            }
+            if not self.switch.speculates(b, t_round, t_ar):
+                self.ar_buckets.add(b)
+        self._catch_up(mode, self.buckets[-1])
+
+    def bucket_note(self) -> str:
+        """The start-up line's account of the AR buckets, e.g. "1: K=1 1.12x, 8: K=0 (AR, 0.71x)"."""
+        if self.switch is None:
+            return ""
+        out = []
+        for b in self.buckets:
+            x = self.bucket_costs.get(b, {}).get("expected_speedup")
+            x = "" if x is None else f" {x:.2f}x"
+            out.append(
+                f"{b}: K=0 (AR{',' if x else ''}{x})" if b in self.ar_buckets else f"{b}: K={self.K}{x}"
+            )
+        return " by running rows " + ", ".join(out)
+
+    _forced_ar = False  # a warm-up or timing round: an AR round whatever the bucket
+
+    def _catch_up(self, mode, bucket) -> None:
+        """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag."""
+        prog = self._progs(mode, bucket=bucket, admission=True)["catch_up"]
+        self.sp, self.pm, self.dcache, self.lag_n = prog(
+            self.draft.params, self.dcache, self.rows, self.sp, self.pm, self.lag, self.lag_n,
+            self._ctrl(np.ones(self.B, bool)),
+        )  # fmt: skip
+        self.drows = self.rows
+        self.lag_rounds = 0
+
+    def _ar_round(self, live, window, mode, bucket) -> SSDRound:
+        if self.lag_rounds + 1 > sd_lag.LAG_MAX:  # the buffer would overflow: catch the draft up first
+            if self.idle:  # (no draft to catch up: the counts run past the buffer, which records no more)
+                self.lag_rounds = 0
+            else:
+                self._catch_up(mode, bucket)
+        prog = sd_lag.sd_lag_round_program(
+            self.model.cfg, mode.needs_filter and not mode.greedy, mode.greedy, self.window(window),
+            self.bucket(bucket), with_prev=False,
+        )  # fmt: skip
+        out, self.tcache, (cur, prev, steps), _, self.lag, self.lag_n = prog(
+            self.model.params, self.tcache, self.round_rows(mode), self._dummy_catch, self.active(live),
+            self.lag, self.lag_n,
+        )  # fmt: skip
+        self.rows = self.drows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        self.lag_rounds += 1
+        return SSDRound("ar", self.sched, out)
 
     def _progs(self, mode, window=None, bucket=None, admission=False):
         # a round whose rows are all greedy builds its tree without the draft's distributions q (the
@@ -165,8 +258,15 @@ class SSD(Method):
 
     # --- admission
 
+    @property
+    def idle(self) -> bool:
+        """Every bucket runs AR rounds: the draft is never used (admission skips it)."""
+        return self.switch is not None and len(self.ar_buckets) == len(self.buckets)
+
     def admit(self, chunks, new: Rows):
         pl, dput = self.pl, self.dput
+        if self.idle:
+            return super().admit(chunks, new)
         tok = self.admit_target(chunks, new)
         if self.fused:
             self.drows = self.rows
@@ -192,6 +292,8 @@ class SSD(Method):
             self.rows = self.drows
         else:
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
+        if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
+            self.lag_n = self._reset_lag(self.lag_n, dput(live))
         self.meta_next[slots] = [0, self.first_kind != "neural", self.K, 1]
         first_h = pl.read(tok_all)
         if "host" in self.kinds:
@@ -222,6 +324,11 @@ class SSD(Method):
     _next_kind = "neural"
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
+        if self.switch is not None:
+            if self._forced_ar or (self._forced is None and bucket in self.ar_buckets):
+                return self._ar_round(live, window, mode, bucket)
+            if self.lag_rounds:
+                self._catch_up(mode, bucket)
         kind = self.choose_kind(live)
         self._next_kind = kind
         ctrl = self._ctrl(live)
@@ -312,6 +419,13 @@ class SSD(Method):
 
     def read(self, rnd: SSDRound, live, fresh) -> RoundOut:
         K, pl = self.K, self.pl
+        if rnd.kind == "ar":  # an AR round: one token per row; the rows' next speculation is drafted anew
+            out_h = pl.read(rnd.out)
+            self.k_rounds[0] += 1
+            self.meta_next[live & ~fresh] = [0, 0, K, 1]
+            n = np.zeros(self.B, np.int64)
+            return RoundOut(out_h[:, :1], n + 1, n, n > 0, logprobs=host_logprobs(out_h, 2, 1), k=0)
+        self.k_rounds[K] += 1
         host_known = rnd.host is not None
         out_h = rnd.host if host_known else pl.read(rnd.out)
         n_acc = out_h[:, K + 1]
@@ -325,7 +439,8 @@ class SSD(Method):
             self._extend_history(out_h, live)
         if self.adapts:
             self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
-        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps)
+        k = K if self.switch is not None else None
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=k)
 
     def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
         """The round's statistics: the fan-out estimators, the backup decision's means, hits, fallbacks."""
@@ -404,6 +519,9 @@ class SSD(Method):
             "fallback_calls": dict(st.fallback_calls),
             **stages,
             "calls_per_round": self.calls / max(1, rounds),
+            "k_rounds": {str(k): n for k, n in self.k_rounds.items()},
+            "ar_buckets": sorted(self.ar_buckets),
+            "bucket_costs": {str(b): c for b, c in self.bucket_costs.items()},
             "devices": device_metrics(self.pl),
         }
 
