@@ -241,12 +241,18 @@ def forward(
     positions_BxT: jax.Array | None = None,
     slots_BxT: jax.Array | None = None,
     mask_BxTxS: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    embeds_BxTxD: jax.Array | None = None,
+    capture: tuple[int, ...] = (),
+):
     """Run the decoder over T new tokens per row; returns final hidden states and the cache.
 
     By default token t of row b goes to slot ``cache.lengths[b] + t`` with that RoPE
     position and a causal mask. The returned cache has the new keys/values written but the
     SAME lengths: callers decide how many of the T tokens to keep (see KVCache.with_lengths).
+
+    ``embeds_BxTxD``: the first layer's input instead of the tokens' embeddings (an EAGLE head,
+    ``ssd_jax.drafters.eagle``). ``capture`` (static): layer indices whose outputs (the residual
+    stream after that layer) are returned too, concatenated: then (hidden, cache, (B, T, n·D)).
     """
     B, T = tokens_BxT.shape
     if slots_BxT is None:
@@ -258,8 +264,9 @@ def forward(
         if cache.start is not None:  # a row's slots below its start are hidden
             mask_BxTxS = mask_BxTxS & (jnp.arange(cache.max_len)[None, None, :] >= cache.start[:, None, None])
     inv_freq = rope_inv_freq(cfg)
-    x = embed_tokens(params, cfg, tokens_BxT).astype(cfg.jnp_dtype)
-    new_k, new_v = [], []
+    x = embed_tokens(params, cfg, tokens_BxT) if embeds_BxTxD is None else embeds_BxTxD
+    x = x.astype(cfg.jnp_dtype)
+    new_k, new_v, feats = [], [], []
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         a, kc, vc = _attention(
@@ -282,8 +289,13 @@ def forward(
         g = matmul(h, layer["w_gate"], cfg.forms.gate)
         u = matmul(h, layer["w_up"], cfg.forms.up)
         x = x + matmul(jax.nn.silu(g) * u, layer["w_down"], cfg.forms.down)
+        if i in capture:
+            feats.append(x)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, dataclasses.replace(cache, k=new_k, v=new_v)
+    cache = dataclasses.replace(cache, k=new_k, v=new_v)
+    if capture:
+        return x, cache, jnp.concatenate(feats, axis=-1)
+    return x, cache
 
 
 def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

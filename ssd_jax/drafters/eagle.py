@@ -1,0 +1,236 @@
+"""EAGLE-style draft heads: one decoder layer that reads the target's own features.
+
+A head drafts from what the target has already computed. Its input at position ``j`` is a pair: the
+target's features at ``j`` (the outputs of a few of its layers, ``HeadSpec.layers``, fused by one
+linear map ``fc``; EAGLE-3 reads a low, a middle and a high layer) and the embedding of token
+``j + 1``. One Llama decoder layer with the target's dimensions runs over those pairs with a KV
+cache of its own; its output, through the target's frozen final LM head, is the distribution of
+token ``j + 2``. Each further draft step feeds the head's own output back in place of the target's
+features (the target has not seen the drafted tokens yet)::
+
+    x_j = [rms(emb(t_{j+1})) · n_e , rms(f_j) · n_f] @ w_in       f_j = F_j @ fc (target) or g_{j-1} (own)
+    g_j = layer(x_j | the head's cache)     q_j = softmax(lm_head(rms(g_j) · n_o))  ~  t_{j+2}
+
+The head's q is the distribution its token was drawn from, so speculation with it is exact like any
+draft's. Its parameters are the layer plus ``fc``, ``w_in`` and three norms; the embedding and LM
+head are the target's.
+
+Training (:func:`head_loss`): teacher-forced over the target's own answers, with the target's
+features and full next-token distributions computed in the same step (the target is frozen). Step 1
+reads the target's features; steps 2..D ("training-time test", as EAGLE-3) read the head's own
+outputs, each query seeing the target's pairs up to its position and its own earlier steps there, as
+at decode time. The loss is the KL from the target's distribution to the head's at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax.drafters.base import align_vocab
+from ssd_jax.models import llama
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.forms import Forms
+from ssd_jax.models.params import layer_specs
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """A head's static shape: the target layers it reads (their outputs, in this order)."""
+
+    layers: tuple[int, ...]
+
+    def validate(self, cfg: ModelConfig) -> None:
+        from ssd_jax.errors import UserError
+
+        if not self.layers or any(not 0 <= i < cfg.num_layers for i in self.layers):
+            raise UserError(f"head layers {list(self.layers)} must lie in 0..{cfg.num_layers - 1}")
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice: a low, a middle and a high layer (fewer for very shallow targets)."""
+    L = num_layers
+    return tuple(sorted({min(1, L - 1), L // 2, max(L - 2, 0)}))
+
+
+def head_config(cfg: ModelConfig) -> ModelConfig:
+    """The head's decoder layer: the target's dimensions, one layer, weights in checkpoint layout."""
+    return cfg.replace(num_layers=1, forms=Forms(), weight_dtype=None)
+
+
+def init_head(cfg: ModelConfig, spec: HeadSpec, seed: int = 0, scale: float = 0.02) -> dict:
+    """Random head parameters (numpy draws from an integer seed); norms at 1."""
+    rng = np.random.default_rng(seed)
+    D, n = cfg.hidden_size, len(spec.layers)
+    dt = cfg.jnp_dtype
+
+    def normal(*shape, s=scale):
+        return jnp.asarray(s * rng.standard_normal(shape, dtype=np.float32), dt)
+
+    layer = {}
+    for name, (shape, _) in sorted(layer_specs(head_config(cfg)).items()):
+        layer[name] = jnp.ones(shape, dt) if name.endswith("norm") else normal(*shape)
+    return {
+        "fc": normal(n * D, D, s=1.0 / np.sqrt(n * D)),
+        "w_in": normal(2 * D, D, s=1.0 / np.sqrt(2 * D)),
+        "norm_e": jnp.ones(D, dt),
+        "norm_f": jnp.ones(D, dt),
+        "layer": layer,
+        "norm_o": jnp.ones(D, dt),
+    }
+
+
+def count_head_params(head: dict) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(head)))
+
+
+def head_inputs(head, tparams, cfg: ModelConfig, tokens_BxT, feats_BxTxF, own: bool):
+    """The layer's input ``x`` for pairs (features, next token); ``own``: the features are the head's
+    own outputs (D wide), else the target's (n·D wide, fused by ``fc``)."""
+    eps = cfg.rms_norm_eps
+    emb = llama.embed_tokens(tparams, cfg, tokens_BxT).astype(jnp.float32)
+    f = feats_BxTxF.astype(jnp.float32)
+    if not own:
+        f = f @ head["fc"].astype(jnp.float32)
+    x = jnp.concatenate([llama.rms_norm(emb, head["norm_e"], eps), llama.rms_norm(f, head["norm_f"], eps)], -1)
+    return (x @ head["w_in"].astype(jnp.float32)).astype(cfg.jnp_dtype)
+
+
+def head_forward(head, tparams, cfg: ModelConfig, tokens_BxT, feats_BxTxF, cache, *, own: bool, **fwd):
+    """The head's layer over T pairs at the cache's lengths (or ``fwd``'s slots / positions / mask).
+    Returns (normed hidden for the LM head, the layer's output g (fed back), cache with the same
+    lengths)."""
+    x = head_inputs(head, tparams, cfg, tokens_BxT, feats_BxTxF, own)
+    p = {"layers": [head["layer"]], "final_norm": head["norm_o"]}
+    h, cache, g = llama.forward(p, head_config(cfg), tokens_BxT, cache, embeds_BxTxD=x, capture=(0,), **fwd)
+    return h, g, cache
+
+
+def init_head_cache(cfg: ModelConfig, batch: int, max_len: int):
+    return llama.init_cache(head_config(cfg), batch, max_len)
+
+
+def head_draft(head, tparams, cache, pend_tok_BxW, pend_feat_BxWxF, pend_n_B, keys, draw, *, cfg, vocab):
+    """K draft tokens (``len(keys)``). The head first takes the pending pairs (the target's features
+    at the positions verified last round and the tokens after them, ``pend_n`` per row) at its
+    cache's lengths, then feeds its own outputs back. ``draw(key, logits, d)`` samples step ``d``.
+    Returns (tokens (B, K), q (B, K, V) or None, cache with lengths advanced by ``pend_n``)."""
+    start = cache.lengths
+    h, g, cache = head_forward(head, tparams, cfg, pend_tok_BxW, pend_feat_BxWxF, cache, own=False)
+    last = (pend_n_B - 1)[:, None, None]
+    h1, g1 = jnp.take_along_axis(h, last, axis=1)[:, 0], jnp.take_along_axis(g, last, axis=1)[:, 0]
+    base = start + pend_n_B
+    tok, q = draw(keys[0], align_vocab(llama.logits(tparams, cfg, h1), vocab), 0)
+    toks, qs = [tok], [q]
+    for d in range(1, keys.shape[0]):  # K is small and static: unrolled
+        h, g1, cache = head_forward(
+            head, tparams, cfg, tok[:, None], g1[:, None], cache.with_lengths(base + d - 1), own=True
+        )
+        g1 = g1[:, 0]
+        tok, q = draw(keys[d], align_vocab(llama.logits(tparams, cfg, h[:, 0]), vocab), d)
+        toks.append(tok)
+        qs.append(q)
+    q = None if qs[0] is None else jnp.stack(qs, axis=1)
+    return jnp.stack(toks, axis=1), q, cache.with_lengths(base)
+
+
+# --- training
+
+
+def target_features(tparams, cfg: ModelConfig, tokens_BxT, layers: tuple[int, ...]):
+    """The target over whole sequences: (its features at ``layers`` (B, T, n·D), its log-probabilities
+    of the next token (B, T, V)), no gradient."""
+    B, T = tokens_BxT.shape
+    h, _, f = llama.forward(tparams, cfg, tokens_BxT, llama.init_cache(cfg, B, T), capture=layers)
+    lp = jax.nn.log_softmax(llama.logits(tparams, cfg, h), axis=-1)
+    return jax.lax.stop_gradient(f), jax.lax.stop_gradient(lp)
+
+
+def unrolled_logits(head, tparams, cfg: ModelConfig, tokens_BxT, feats_BxTxF, depth: int):
+    """The head's log-probabilities at every position for draft steps 1..``depth`` (a list of
+    (B, T - 1 - d, V), step d + 1 at position j predicting token ``j + d + 2``): step 1 over the
+    target's features, later steps over the head's own outputs, each query seeing the target's pairs
+    up to its position and its own earlier steps there (the decode-time view)."""
+    B, T = tokens_BxT.shape
+    n = T - 1  # pairs (F_j, t_{j+1}) for j = 0..T-2
+    S = depth * n
+    cache = llama.init_cache(head_config(cfg), B, S)
+    j = jnp.arange(n)
+    slot = jnp.arange(S)
+    outs = []
+    g = feats_BxTxF[:, :n]
+    for d in range(depth):
+        toks = tokens_BxT[:, 1 + d : 1 + d + n]  # pair (feature at j + d, token j + d + 1)
+        m = toks.shape[1]
+        jj = j[:m]
+        # query (step d, position j) sees the target's pairs <= j and its own steps 1..d at j
+        mask = (slot[None, :] < n) & (slot[None, :] <= jj[:, None])
+        for e in range(1, d + 1):
+            mask = mask | (slot[None, :] == e * n + jj[:, None])
+        h, g, cache = head_forward(
+            head, tparams, cfg, toks, g[:, :m], cache, own=d > 0,
+            slots_BxT=jnp.broadcast_to(d * n + jj, (B, m)),
+            positions_BxT=jnp.broadcast_to(jj + d, (B, m)),  # pair j + d's position
+            mask_BxTxS=jnp.broadcast_to(mask, (B, m, S)),
+        )  # fmt: skip
+        outs.append(jax.nn.log_softmax(llama.logits(tparams, cfg, h), axis=-1))
+    return outs
+
+
+def head_loss(head, tparams, tokens_BxT, mask_BxT, *, cfg: ModelConfig, spec: HeadSpec, depth: int):
+    """(mean KL over draft steps and masked positions, stats). ``mask[j]``: 1 where token ``j + 1`` is
+    one of the target's generated tokens (the draft steps whose predicted token is one are scored).
+    Stats: per step the KL, the share of argmax agreement (greedy acceptance of that step given the
+    earlier ones) and ``sum min(p, q)`` (acceptance at temperature 1)."""
+    feats, p_lp = target_features(tparams, cfg, tokens_BxT, spec.layers)
+    outs = unrolled_logits(head, tparams, cfg, tokens_BxT, feats, depth)
+    total, stats = 0.0, {}
+    for d, q_lp in enumerate(outs):
+        m = q_lp.shape[1]
+        p = p_lp[:, 1 + d : 1 + d + m]  # the target at position j + d + 1 predicts token j + d + 2
+        w = mask_BxT[:, 1 + d : 1 + d + m]
+        den = jnp.maximum(w.sum(), 1.0)
+        kl = (jnp.exp(p) * (p - q_lp)).sum(-1)
+        agree = (jnp.argmax(p, -1) == jnp.argmax(q_lp, -1)).astype(jnp.float32)
+        overlap = jnp.minimum(jnp.exp(p), jnp.exp(q_lp)).sum(-1)
+        stats[f"kl_{d + 1}"] = (kl * w).sum() / den
+        stats[f"agree_{d + 1}"] = (agree * w).sum() / den
+        stats[f"overlap_{d + 1}"] = (overlap * w).sum() / den
+        total = total + stats[f"kl_{d + 1}"]
+    return total / len(outs), stats
+
+
+@functools.lru_cache(maxsize=8)
+def make_head_step(cfg: ModelConfig, spec: HeadSpec, depth: int, optimizer):
+    """One optax step: (head, opt_state, tparams, tokens, mask) -> (head, opt_state, loss, stats)."""
+    loss_fn = functools.partial(head_loss, cfg=cfg, spec=spec, depth=depth)
+
+    def step(head, opt_state, tparams, tokens, mask):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, tparams, tokens, mask)
+        updates, opt_state = optimizer.update(grads, opt_state, head)
+        import optax
+
+        return optax.apply_updates(head, updates), opt_state, loss, stats
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def greedy_acceptance(head, tparams, tokens_BxT, mask_BxT, *, cfg: ModelConfig, spec: HeadSpec, k: int):
+    """Teacher-forced greedy SD acceptance on the target's own T = 0 answers: at every scored position,
+    how many of the head's K greedy proposals match the target's argmax continuation before the first
+    miss. Returns (accepted counts (B, T'), mask (B, T')) for positions with K scored tokens after."""
+    feats, p_lp = target_features(tparams, cfg, tokens_BxT, spec.layers)
+    outs = unrolled_logits(head, tparams, cfg, tokens_BxT, feats, k)
+    m = outs[-1].shape[1]
+    ok, alive = jnp.zeros(tokens_BxT.shape[0:1] + (m,), jnp.int32), jnp.ones((tokens_BxT.shape[0], m), bool)
+    w = jnp.ones((tokens_BxT.shape[0], m), bool)
+    for d, q_lp in enumerate(outs):
+        hit = jnp.argmax(q_lp[:, :m], -1) == jnp.argmax(p_lp[:, 1 + d : 1 + d + m], -1)
+        alive = alive & hit
+        ok = ok + alive
+        w = w & (mask_BxT[:, 1 + d : 1 + d + m] > 0)
+    return ok, w
