@@ -4,6 +4,7 @@
 #   make lint   ruff's linter and formatter check over the tree (ruff format . fixes the formatting)
 #   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
+#   make eagle    trains an EAGLE-style head for SmolLM2 on the same data (rerun to resume)
 #   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
 #                 benchmark protocol (many CPU hours; rerun to resume)
 PYTHON ?= python3
@@ -11,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint test-slow install kernels bench distill-data draft sdsl-validate clean
+.PHONY: demo test lint test-slow install kernels bench distill-data draft eagle sdsl-validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +64,16 @@ draft: distill-data
 	$(PY) -m ssd_jax.train --target $(DRAFT_TARGET) --size auto --loss distill --ce-weight 0.1 --data $(DISTILL_DATA) \
 		--pack --steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
 		--draft-vocab $(DRAFT_VOCAB) --out $(DRAFT_OUT) --resume --keep-evals $(DRAFT_ARGS)
+
+# an EAGLE-style head (docs/eagle.md): one layer over the target's features, trained on the same answers
+# (only their tokens: the target's features and full distributions are recomputed each step); resumes
+EAGLE_STEPS ?= 600
+EAGLE_OUT ?= runs/$(DRAFT_TARGET)-eagle
+EAGLE_ARGS ?=
+
+eagle: distill-data
+	$(PY) -m ssd_jax.train eagle --target $(DRAFT_TARGET) --data $(DISTILL_DATA) --steps $(EAGLE_STEPS) --batch-size 4 \
+		--seq-len 256 --lr 1e-3 --depth 3 --save-every 25 --out $(EAGLE_OUT) --resume $(EAGLE_ARGS)
 
 # SDSL validation (issue 14): the law's depth x 1/3, 2/3, 1, 4/3, 2 (SmolLM2: 1, 2, 3, 4, 6 layers), seeds 0 and 1,
 # the draft recipe above with SDSL_STEPS steps each (runs in SDSL_RUNS; finished runs are skipped), then AR and

@@ -297,8 +297,6 @@ def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair, monk
     target, draft = pair
     got, ar, k_rounds, acc = _ssd_switching(pair, target)
     assert got == ar and k_rounds[0] > 0 and k_rounds[2] > 0 and acc > 0.97, (k_rounds, acc)
-    got, ar, k_rounds, _ = _ssd_switching(pair, draft, zero=(1, 2, 4))
-    assert got == ar and k_rounds[0] > 0 and k_rounds[2] == 0, k_rounds
     rounds.ssd_programs.cache_clear()
     monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
     try:
@@ -306,3 +304,11 @@ def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair, monk
         assert got == ar and acc < 0.8, acc
     finally:
         rounds.ssd_programs.cache_clear()
+
+
+@pytest.mark.slow
+def test_ssd_with_ar_rounds_at_every_bucket_leaves_its_draft_out(pair):
+    """Where no bucket speculates, SSD serves AR rounds only and skips the draft (admission too): greedy
+    output still equals AR's."""
+    got, ar, k_rounds, _ = _ssd_switching(pair, pair[1], zero=(1, 2, 4))
+    assert got == ar and k_rounds[0] > 0 and k_rounds[2] == 0, k_rounds

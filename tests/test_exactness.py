@@ -114,9 +114,12 @@ def passing_run(pair, case, seed):
     return rep, m, em
 
 
-# default-suite budget: four SSD cases whose paths other cases cover run in the slow set only (and, with
+# default-suite budget: cases whose paths other cases cover run in the slow set only (and, with
 # every case, at 8x the rows in test_emissions_follow_the_target_large)
 SLOW_BY_DEFAULT = {
+    ("sd", "model", 1.0, TOP_K),  # (the SD cases: T = 1 and top-p of each drafter stay in the default set)
+    ("sd", "ngram", 1.0, TOP_K),
+    ("sd", "random", 1.0, TOP_P),
     ("ssd", "random", 1.0, TOP_P),
     ("ssd", "ngram", 0.0, TOP_K),
     ("ssd", "auto", 0.3, TOP_K),

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 from ssd_jax.cli.args import Parser
-from ssd_jax.errors import cli_main
+from ssd_jax.errors import UserError, cli_main
 from ssd_jax.loading import draft as dfmt
 from ssd_jax.training.args import LOSSES, TAILS, TrainArgs
 from ssd_jax.training.distill_data import DistillRecipe, build_distill_data
@@ -265,8 +265,51 @@ def run_curve_cli(argv) -> int:
     return 0
 
 
+def build_eagle_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="python -m ssd_jax.train eagle",
+        description="Train an EAGLE-style draft head (one layer over the target's features) on the target's "
+        "own answers (a distill-data directory); resumable, checkpointed with orbax.",
+    )
+    p.add_argument("--target", required=True, help="registry name, .gguf file, HF or converted directory")
+    p.add_argument("--data", required=True, help="a distill-data directory made for this target")
+    p.add_argument("--out", required=True, help="run directory (head.safetensors, head.json, states)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=4, help="windows per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument(
+        "--depth", type=int, default=3, help="draft steps unrolled in training (training-time test)"
+    )
+    p.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="target layers read (default: low, mid, high)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per category (code, chat)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def run_eagle_cli(argv) -> int:
+    from ssd_jax.training.eagle_train import train_head
+
+    a = build_eagle_parser().parse_args(argv)
+    if min(a.steps, a.batch_size, a.seq_len, a.depth, a.save_every) < 1 or a.lr <= 0:
+        raise UserError("--steps, --batch-size, --seq-len, --depth and --save-every must be >= 1, --lr > 0")
+    s = train_head(
+        a.target, a.data, a.out, steps=a.steps, batch=a.batch_size, seq_len=a.seq_len, lr=a.lr, depth=a.depth,
+        layers=a.layers, seed=a.seed, save_every=a.save_every, resume=a.resume, eval_prompts=a.eval_prompts,
+    )  # fmt: skip
+    print(json.dumps(s) if a.json else f"head in {s['out']}: {json.dumps(s)}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eagle"]:
+        return cli_main(run_eagle_cli, argv[1:])
     if argv[:1] == ["distill-data"]:
         return cli_main(run_data_cli, argv[1:])
     if argv[:1] == ["learning-curve"]:

@@ -104,16 +104,17 @@ def scatter_rows(cache: KVCache, rows: KVCache, slots_R, whole: bool) -> KVCache
 
 def prefill_target(
     params, cache: KVCache, rows: Rows, tokens_RxC, n_valid_R, slots_R, starts_R, new: Rows, *, cfg, whole,
-    greedy=False, needs_filter=True,
+    greedy=False, needs_filter=True, capture=(),
 ):  # fmt: skip
     """Prefill one chunk of R prompts into slots ``slots_R`` (at offsets ``starts_R``), sample each
     row's next token from its own key at step 0, and write the rows' state (``new``, its ``cur`` the
     sampled token). Only the last chunk's token is a prompt's first generated token; earlier chunks'
     writes of ``cur`` are overwritten. A row with ``n_valid`` 0 (its prompt ended in an earlier chunk)
     keeps its length. Returns (tokens (R,), their log-probability columns (``columns_if_wanted``), cache,
-    rows)."""
+    rows); with ``capture`` (static layer indices) also the chunk's features at those layers (R, C, n·D),
+    what an EAGLE head reads (:mod:`ssd_jax.decoding.sd_eagle`)."""
     part = gather_rows(cache, slots_R, starts_R, whole)
-    h, part = llama.forward(params, cfg, tokens_RxC, part)
+    h, part, *feats = llama.forward(params, cfg, tokens_RxC, part, capture=capture)
     last = jnp.take_along_axis(h, jnp.maximum(n_valid_R - 1, 0)[:, None, None], axis=1)
     raw = llama.logits(params, cfg, last)  # (R, 1, V)
     lg = apply_min_tokens(raw, (starts_R + n_valid_R)[:, None], new.rs)[:, 0]
@@ -125,7 +126,7 @@ def prefill_target(
     cache = scatter_rows(cache, part.with_lengths(starts_R + n_valid_R), slots_R, whole)
     lpc = columns_if_wanted(raw, tok[:, None], new.rs)
     new = dataclasses.replace(new, cur=tok, steps=jnp.ones_like(new.steps))
-    return tok, lpc, cache, set_rows(rows, slots_R, new)
+    return (tok, lpc, cache, set_rows(rows, slots_R, new), *feats)
 
 
 def prefill_draft(

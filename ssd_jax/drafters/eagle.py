@@ -26,16 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.drafters.base import align_vocab
+from ssd_jax.errors import UserError
 from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.forms import Forms
 from ssd_jax.models.params import layer_specs
+
+#: a head's weights file (its meta rides in the safetensors metadata)
+HEAD_WEIGHTS = "head.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +53,6 @@ class HeadSpec:
     layers: tuple[int, ...]
 
     def validate(self, cfg: ModelConfig) -> None:
-        from ssd_jax.errors import UserError
-
         if not self.layers or any(not 0 <= i < cfg.num_layers for i in self.layers):
             raise UserError(f"head layers {list(self.layers)} must lie in 0..{cfg.num_layers - 1}")
 
@@ -96,7 +102,9 @@ def head_inputs(head, tparams, cfg: ModelConfig, tokens_BxT, feats_BxTxF, own: b
     f = feats_BxTxF.astype(jnp.float32)
     if not own:
         f = f @ head["fc"].astype(jnp.float32)
-    x = jnp.concatenate([llama.rms_norm(emb, head["norm_e"], eps), llama.rms_norm(f, head["norm_f"], eps)], -1)
+    x = jnp.concatenate(
+        [llama.rms_norm(emb, head["norm_e"], eps), llama.rms_norm(f, head["norm_f"], eps)], -1
+    )
     return (x @ head["w_in"].astype(jnp.float32)).astype(cfg.jnp_dtype)
 
 
@@ -136,6 +144,47 @@ def head_draft(head, tparams, cache, pend_tok_BxW, pend_feat_BxWxF, pend_n_B, ke
         qs.append(q)
     q = None if qs[0] is None else jnp.stack(qs, axis=1)
     return jnp.stack(toks, axis=1), q, cache.with_lengths(base)
+
+
+# --- files
+
+
+def flat_head(head) -> dict[str, np.ndarray]:
+    out = {k: np.asarray(v) for k, v in head.items() if k != "layer"}
+    out.update({f"layer.{k}": np.asarray(v) for k, v in head["layer"].items()})
+    return out
+
+
+def unflat_head(flat: dict[str, np.ndarray]) -> dict:
+    head = {k: jnp.asarray(v) for k, v in flat.items() if not k.startswith("layer.")}
+    head["layer"] = {k[6:]: jnp.asarray(v) for k, v in flat.items() if k.startswith("layer.")}
+    return head
+
+
+def save_head(path: Path, head, meta: dict[str, Any]) -> None:
+    """``head.safetensors`` (weights, the meta as its metadata) written to a temporary name and renamed."""
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(flat_head(head), str(tmp), metadata={"ssd_jax_head": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load_head(path: str | os.PathLike) -> tuple[dict, dict[str, Any]]:
+    """(head parameters, meta) from a run directory or a ``head.safetensors`` file."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / HEAD_WEIGHTS
+    if not p.is_file():
+        raise UserError(f"no EAGLE head at {path} (expected {HEAD_WEIGHTS})")
+    with safe_open(str(p), "np") as f:
+        meta = json.loads((f.metadata() or {}).get("ssd_jax_head", "{}"))
+        flat = {k: f.get_tensor(k) for k in f.keys()}
+    if "layers" not in meta:
+        raise UserError(f"{p} is not an ssd_jax EAGLE head (no head metadata)")
+    return unflat_head(flat), meta
 
 
 # --- training

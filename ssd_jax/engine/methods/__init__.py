@@ -13,6 +13,16 @@ def build_method(model, spec, modes, load, trace=None):
         return AR(model, modes)
     spans = spec.target_devices is not None or spec.draft_devices is not None
     if spec.method == "sd":
+        from ssd_jax.engine.methods.eagle import SDEagle, is_eagle, load_eagle
+
+        if is_eagle(spec.draft):
+            if spans or spec.profile_stages:
+                from ssd_jax.errors import UserError
+
+                raise UserError(
+                    "an EAGLE head runs on the target's device, one call a round (no meshes, no stages)"
+                )
+            return SDEagle(model, modes, spec, *load_eagle(model, spec.draft), spec.draft)
         from ssd_jax.drafters import make_drafter
         from ssd_jax.engine.methods import sd
         from ssd_jax.sampling.filters import SamplingParams

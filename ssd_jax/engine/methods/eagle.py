@@ -1,0 +1,141 @@
+"""SD with an EAGLE-style head (``--draft eagle:PATH``) in the engine: one compiled call per round on one
+device (:mod:`ssd_jax.decoding.sd_eagle`), batch buckets, K fixed; a contiguous target cache (the head's
+pending features are per slot, so no paging or prefix caching yet)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ssd_jax.decoding.sd_eagle import Pending, eagle_prefill_program, eagle_round_program
+from ssd_jax.drafters import eagle
+from ssd_jax.engine.core import RoundOut
+from ssd_jax.engine.methods.base import Method
+from ssd_jax.engine.methods.sd import SDRound
+
+PREFIX = "eagle:"
+#: K with ``--k auto`` (no calibration of heads yet)
+EAGLE_K_AUTO = 4
+
+
+def is_eagle(draft) -> bool:
+    return isinstance(draft, str) and draft.startswith(PREFIX)
+
+
+def load_eagle(model, draft: str):
+    """(head parameters, meta) of ``eagle:PATH``, checked against the target."""
+    from ssd_jax.errors import UserError
+
+    head, meta = eagle.load_head(draft[len(PREFIX) :])
+    spec = eagle.HeadSpec(tuple(int(i) for i in meta["layers"]))
+    spec.validate(model.cfg)
+    if meta.get("target_sha256") not in (None, model.weights_sha256):
+        raise UserError(f"the head {draft} was trained for another target ({meta.get('target')})")
+    D = model.cfg.hidden_size
+    if head["fc"].shape != (len(spec.layers) * D, D):
+        raise UserError(
+            f"the head {draft} does not fit this target (width {head['fc'].shape[1]}, target {D})"
+        )
+    return head, meta
+
+
+class SDEagle(Method):
+    name = "sd"
+    speculates = True
+    bucketed = True
+
+    def __init__(self, model, modes, spec, head, meta, source: str):
+        super().__init__(model, modes)
+        self.spec, self.head_h, self.meta, self.source = spec, head, meta, source
+        self.layers = tuple(int(i) for i in meta["layers"])
+        self.K = int(spec.k)
+        self.k_max, self.extra_slots = self.K, self.K + 1
+
+    def setup_draft(self, engine) -> None:
+        cfg = self.model.cfg
+        self.head = jax.tree.map(self.put, self.head_h)
+        self.hcache = jax.tree.map(self.put, eagle.init_head_cache(cfg, self.B, self.max_len))
+        width = len(self.layers) * cfg.hidden_size
+        self.pend = jax.tree.map(self.put, Pending.empty(self.B, self.K + 1, width, cfg.jnp_dtype))
+        self._full = np.full(self.B, self.K, np.int32)
+
+    def _program(self, mode, window, bucket):
+        nf = mode.needs_filter and not mode.greedy
+        return eagle_round_program(
+            self.model.cfg, self.layers, self.K, nf, mode.greedy, self.window(window), self.bucket(bucket)
+        )
+
+    def _args(self, live, mode):
+        return (self.model.params, self.tcache, self.head, self.hcache, self.pend, self.round_rows(mode),
+                self.active(live))  # fmt: skip
+
+    def compile_rounds(self, windows) -> None:
+        off = np.zeros(self.B, bool)
+        for b in self.buckets:
+            for mode in self.modes:
+                for w in windows:
+                    self._program(mode, w, b).precompile(*self._args(off, mode))
+
+    def admit(self, chunks, new):
+        put = self.put
+        new_d = jax.tree.map(put, new)
+        greedy = bool((new.rs.temperature == 0).all())
+        nf = not greedy and bool(((new.rs.top_k > 0) | (new.rs.top_p < 1)).any())
+        prompts = [
+            np.concatenate([c.tokens[r, : c.n_valid[r]] for c in chunks]) for r in range(len(chunks[0].slots))
+        ]
+        first = chunks[0].starts
+        tok = lpc = None
+        for c in chunks:
+            nxt, n_head = _next_tokens(c, prompts, first)
+            prog = eagle_prefill_program(
+                self.model.cfg, self.layers, c.whole, self.window(c.window), greedy, nf
+            )
+            tok, lpc, self.tcache, self.rows, self.hcache, self.pend = prog(
+                self.model.params, self.tcache, self.rows, self.head, self.hcache, self.pend, put(c.tokens),
+                put(c.n_valid), put(c.slots), put(c.starts), new_d, put(nxt), put(n_head),
+            )  # fmt: skip
+        self._first_lp = lpc if bool(np.asarray(new.rs.want_logprobs).any()) else None
+        return np.asarray(tok), self.first_logprobs()
+
+    def dispatch(self, live, window, mode, bucket=None) -> SDRound:
+        out, self.tcache, self.hcache, self.pend, (cur, prev, steps) = self._program(mode, window, bucket)(
+            *self._args(live, mode)
+        )
+        self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        return SDRound(out, self.K, None, live, self.K)
+
+    def read(self, rnd: SDRound, live, fresh) -> RoundOut:
+        emitted, n_acc, lps = rnd.split(np.asarray(rnd.out))
+        return RoundOut(emitted, n_acc + 1, self._full, logprobs=lps, k=self.K)
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        return {
+            "k": self.K,
+            "draft": self.source,
+            "draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None,
+            "calls_per_round": 1,
+            "rounds_without_proposals": 0,
+            "k_adaptive": False,
+            "head_layers": list(self.layers),
+        }  # fmt: skip
+
+
+def _next_tokens(chunk, prompts, first):
+    """The head's pairs of one prefill chunk: for each row, the token after each of its positions in the
+    chunk (the prompt's next token) and how many pairs it has (the chunk's positions, less the prompt's
+    last one, whose pair waits for the first sampled token)."""
+    R, C = chunk.tokens.shape
+    nxt = np.zeros((R, C), np.int32)
+    n_head = np.zeros(R, np.int32)
+    for r in range(R):
+        nv = int(chunk.n_valid[r])
+        if nv == 0:
+            continue
+        s = int(chunk.starts[r] - first[r])
+        after = prompts[r][s + 1 : s + nv + 1]
+        nxt[r, : len(after)] = after
+        n_head[r] = len(after)
+    return nxt, n_head

@@ -1,0 +1,158 @@
+"""Training an EAGLE-style head (:mod:`ssd_jax.drafters.eagle`) with optax on the target's own answers.
+
+``python -m ssd_jax.train eagle --target NAME --data DIR --out RUN`` (DIR from ``distill-data``: the
+target's answers to training prompts; only their tokens are used, the target's features and full
+next-token distributions are recomputed in each step). Each step is one jitted call: the frozen
+target over the batch's windows, the head unrolled ``--depth`` draft steps (training-time test), the
+KL from the target's distributions, AdamW. The run directory holds ``head.json`` (the recipe and the
+target), the orbax training states (``--save-every``; a rerun with ``--resume`` continues from the
+newest one that restores) and ``head.safetensors`` (the last saved head, written atomically), with
+``train_log.jsonl``. Evaluation: teacher-forced greedy acceptance on held-out benchmark prompts in the
+chat template, against the target's own greedy continuations (:func:`evaluate_head`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ssd_jax.errors import UserError
+
+from ssd_jax.drafters.eagle import HEAD_WEIGHTS, save_head
+
+HEAD_META = "head.json"
+
+
+def held_out_sequences(target, n_per_category: int, new_tokens: int, categories=("code", "chat")):
+    """Benchmark prompts (never training ones) in the chat template with the target's greedy
+    continuations: (tokens (N, T) right-padded, mask (N, T): 1 where token j + 1 is generated)."""
+    from ssd_jax.data.prompts import load_prompts
+    from ssd_jax.engine.generate import generate
+    from ssd_jax.sampling.filters import SamplingParams
+
+    tok = target.tokenizer
+    prompts = []
+    for c in categories:
+        for p in load_prompts(c, n=n_per_category, seed=1):
+            text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}])
+            prompts.append(tok.encode(text)[-256:])
+    res = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    seqs = [p + o["token_ids"] for p, o in zip(prompts, res.outputs)]
+    T = max(len(s) for s in seqs)
+    toks = np.zeros((len(seqs), T), np.int32)
+    mask = np.zeros((len(seqs), T), np.float32)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        toks[i, : len(s)] = s
+        mask[i, len(p) - 1 : len(s) - 1] = 1.0
+    return toks, mask
+
+
+def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4) -> dict[str, float]:
+    """Teacher-forced greedy acceptance: the share of positions whose first proposal matches the
+    target's greedy token (alpha_1) and the mean accepted of K, with a 95% interval over sequences."""
+    import jax.numpy as jnp
+
+    from ssd_jax.drafters.eagle import greedy_acceptance
+
+    firsts, means = [], []
+    for i in range(0, len(toks), batch):
+        ok, w = greedy_acceptance(
+            head, target.params, jnp.asarray(toks[i : i + batch]), jnp.asarray(mask[i : i + batch]),
+            cfg=target.cfg, spec=spec, k=k,
+        )  # fmt: skip
+        ok, w = np.asarray(ok), np.asarray(w)
+        for r in range(ok.shape[0]):
+            if w[r].any():
+                firsts.append(float((ok[r][w[r]] >= 1).mean()))
+                means.append(float(ok[r][w[r]].mean()))
+
+    def ci(xs):
+        xs = np.asarray(xs)
+        h = 1.96 * xs.std(ddof=1) / np.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+        return float(xs.mean()), float(h)
+
+    a1, a1_h = ci(firsts)
+    m, m_h = ci(means)
+    return {"alpha_1": a1, "alpha_1_ci": a1_h, "accepted_of_k": m, "accepted_of_k_ci": m_h, "k": k,
+            "sequences": len(firsts)}  # fmt: skip
+
+
+def train_head(
+    target_name: str,
+    data: str,
+    out: str,
+    *,
+    steps: int = 1000,
+    batch: int = 4,
+    seq_len: int = 256,
+    lr: float = 1e-3,
+    depth: int = 3,
+    layers: tuple[int, ...] | None = None,
+    seed: int = 0,
+    save_every: int = 50,
+    resume: bool = False,
+    eval_prompts: int = 8,
+    log=print,
+) -> dict[str, Any]:
+    """Train (or ``resume``) a head for ``target_name`` on the answers in ``data``; returns the summary."""
+    import jax
+    import optax
+    from tqdm import tqdm
+
+    from ssd_jax.drafters import eagle
+    from ssd_jax.loading import load_model
+    from ssd_jax.training.checkpoint import RunDir
+    from ssd_jax.training.distill import distill_batch
+    from ssd_jax.training.distill_data import load_distill_data
+
+    target = load_model(target_name, dtype="float32")
+    spec = eagle.HeadSpec(tuple(layers) if layers else eagle.default_layers(target.cfg.num_layers))
+    spec.validate(target.cfg)
+    dd = load_distill_data(data)
+    run = RunDir(out)
+    recipe = {"target": target_name, "target_sha256": target.weights_sha256, "layers": list(spec.layers), "depth": depth,
+              "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "data": str(data), "steps": steps}  # fmt: skip
+    meta_path = Path(out) / HEAD_META
+    if run.has_run() or meta_path.exists():
+        if not resume:
+            raise UserError(f"{out} holds a run: pass --resume to continue it, or another --out")
+        old = json.loads(meta_path.read_text())
+        diff = sorted(k for k in recipe if k != "steps" and old.get(k) != recipe[k])
+        if diff:
+            raise UserError(f"--resume with a different recipe ({', '.join(diff)}): use another --out")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(recipe, indent=1))
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
+    head = eagle.init_head(target.cfg, spec, seed=seed)
+    state = opt.init(head)
+    start = 0
+    if resume and (got := run.restore_latest(head, state)) is not None:
+        start, head, state = got
+        log(f"resumed at step {start}")
+    step_fn = eagle.make_head_step(target.cfg, spec, depth, opt)
+    held = held_out_sequences(target, eval_prompts, 48) if eval_prompts else None
+    t0, toks_seen = time.perf_counter(), 0
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="eagle head", disable=None)
+    loss = stats = None
+    for s in bar:
+        b = distill_batch(dd, s, seed, batch, seq_len)
+        head, state, loss, stats = step_fn(head, state, target.params, b["tokens"][:, :-1], b["mask"])
+        toks_seen += int(b["mask"].sum())
+        if (s + 1) % 10 == 0:
+            st = {k: float(v) for k, v in stats.items()}
+            bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
+            run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
+        if (s + 1) % save_every == 0 or s + 1 == steps:
+            run.save(s + 1, head, state)
+            save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1})
+    summary = {"out": out, "steps": steps, "train_s": time.perf_counter() - t0, "scored_tokens": toks_seen,
+               "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
+    if held is not None:
+        summary["held_out"] = evaluate_head(jax.device_get(head), target, spec, *held)
+        run.append_log({"eval": summary["held_out"], "step": steps})
+    return summary
