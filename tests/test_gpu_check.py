@@ -6,6 +6,8 @@ import json
 import math
 import os
 import subprocess
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ def test_full_shapes_have_qwen_parameter_counts():
     assert abs(count(gc.QWEN_05B) - 0.494e9) < 0.01e9  # Qwen2.5-0.5B: 0.49B
 
 
+# slow (default-suite budget, 22 s): run it before a GPU check (make test-slow or pytest -m slow)
+@pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     p = subprocess.run(

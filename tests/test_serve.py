@@ -296,7 +296,8 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
         assert 0 < lookups <= drafts and 0 <= hits <= lookups
 
 
-@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
+# ssd in the slow set (default-suite budget): the SSD server is served by test_32_concurrent_requests
+@pytest.mark.parametrize("method", ["ar", "sd", pytest.param("ssd", marks=pytest.mark.slow)])
 def test_long_generation_crosses_attention_windows(servers, pair, method):
     """A greedy request whose context grows from the 80-slot window into the 160-slot one (a prompt of 3
     prefill chunks, 88 new tokens; the SD server has the 160-slot window only) still equals offline AR
