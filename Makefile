@@ -4,7 +4,7 @@
 #   make lint   ruff's linter and formatter check over the tree (ruff format . fixes the formatting)
 #   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
-#   make eagle    trains an EAGLE-style head for SmolLM2 on the same data (rerun to resume)
+#   make eagle    trains an EAGLE-style head for SmolLM2 (its own answers and corpus text; rerun to resume)
 #   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
 #                 benchmark protocol (many CPU hours; rerun to resume)
 PYTHON ?= python3
@@ -65,15 +65,21 @@ draft: distill-data
 		--pack --steps $(DRAFT_STEPS) --batch-size 8 --seq-len 512 --lr 5e-4 --eval-every 200 --eval-windows 32 \
 		--draft-vocab $(DRAFT_VOCAB) --out $(DRAFT_OUT) --resume --keep-evals $(DRAFT_ARGS)
 
-# an EAGLE-style head (docs/eagle.md): one layer over the target's features, trained on the same answers
-# (only their tokens: the target's features and full distributions are recomputed each step); resumes
-EAGLE_STEPS ?= 600
+# an EAGLE-style head (docs/eagle.md): one layer over the target's features. The recipe of the shipped
+# checkpoints/smollm2-135m-eagle: the target's greedy answers to 384 training prompts (its own data run,
+# about 7 min) in half of each batch, the training corpus's text in the other half, the target's features
+# and distributions computed in each step; LM head trimmed to 8192 tokens; 1000 steps. Resumes.
+EAGLE_PROMPTS ?= 384
+EAGLE_DATA ?= runs/distill-$(DRAFT_TARGET)-t0-$(EAGLE_PROMPTS)
+EAGLE_STEPS ?= 1000
 EAGLE_OUT ?= runs/$(DRAFT_TARGET)-eagle
 EAGLE_ARGS ?=
 
-eagle: distill-data
-	$(PY) -m ssd_jax.train eagle --target $(DRAFT_TARGET) --data $(DISTILL_DATA) --steps $(EAGLE_STEPS) --batch-size 4 \
-		--seq-len 256 --lr 1e-3 --depth 3 --save-every 25 --out $(EAGLE_OUT) --resume $(EAGLE_ARGS)
+eagle: $(STAMP)
+	$(MAKE) distill-data DISTILL_PROMPTS=$(EAGLE_PROMPTS) DISTILL_TEMPS=0 DISTILL_DATA=$(EAGLE_DATA)
+	$(PY) -m ssd_jax.train eagle --target $(DRAFT_TARGET) --data $(EAGLE_DATA) --steps $(EAGLE_STEPS) --batch-size 4 \
+		--seq-len 256 --lr 1e-3 --depth 4 --corpus-rows 2 --draft-vocab 8192 --save-every 50 --out $(EAGLE_OUT) \
+		--resume $(EAGLE_ARGS)
 
 # SDSL validation (issue 14): the law's depth x 1/3, 2/3, 1, 4/3, 2 (SmolLM2: 1, 2, 3, 4, 6 layers), seeds 0 and 1,
 # the draft recipe above with SDSL_STEPS steps each (runs in SDSL_RUNS; finished runs are skipped), then AR and

@@ -17,17 +17,24 @@ def target():
     return tiny_model(0, layers=4)
 
 
-def test_training_view_equals_decode_time_drafting(target):
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_training_view_equals_decode_time_drafting(target, trimmed):
     """For one sequence, the head's step-d log-probabilities at position j from the unrolled training
     view equal those of drafting after a prefill of pairs 0..j-1, pending pair j, own outputs fed back
-    (the drafted tokens forced to the sequence's own, so both views see the same tokens)."""
+    (the drafted tokens forced to the sequence's own, so both views see the same tokens). Trimmed: the
+    training view's N columns are the decode-time row at the kept ids, and the row is -inf elsewhere."""
     cfg, tp = target.cfg, target.params
     spec = eagle.HeadSpec(eagle.default_layers(cfg.num_layers))
     head = eagle.init_head(cfg, spec, seed=3, scale=0.2)
     T, K, j = 14, 3, 6
     toks = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, T)), jnp.int32)
+    ids = None
+    if trimmed:  # the sequence's own tokens among the kept ones, so the forced draws are proposable
+        ids = jnp.asarray(np.union1d(np.arange(0, cfg.vocab_size, 3), np.asarray(toks[0])), jnp.int32)
     feats, _ = eagle.target_features(tp, cfg, toks, spec.layers)
-    unrolled = eagle.unrolled_logits(head, tp, cfg, toks, feats, K)
+    unrolled = eagle.unrolled_logits(head, tp, cfg, toks, feats, K, ids)
+    if trimmed:
+        head = eagle.attach_vocab({**head, "vocab_ids": ids}, tp, cfg)
 
     cache = eagle.init_head_cache(cfg, 1, 64)
     _, _, cache = eagle.head_forward(head, tp, cfg, toks[:, 1 : j + 1], feats[:, :j], cache, own=False)
@@ -44,7 +51,12 @@ def test_training_view_equals_decode_time_drafting(target):
     )  # fmt: skip
     assert int(cache.lengths[0]) == j + 1
     for d in range(K):
-        np.testing.assert_allclose(np.asarray(q[0, d]), np.asarray(unrolled[d][0, j]), atol=2e-4)
+        row = np.asarray(q[0, d])
+        if trimmed:
+            out = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(ids))
+            assert np.isneginf(row[out]).all()
+            row = row[np.asarray(ids)]
+        np.testing.assert_allclose(row, np.asarray(unrolled[d][0, j]), atol=2e-4)
 
 
 def test_capture_returns_the_layers_outputs(target):
@@ -107,12 +119,12 @@ def test_training_lowers_the_loss_and_raises_acceptance(target, tmp_path):
     assert sd.metrics["acceptance_rate"] > 0.25, sd.metrics["acceptance_rate"]
 
 
-def _saved_head(tmp_path, target, head, spec):
+def _saved_head(tmp_path, target, head, spec, vocab_ids=None, name="head"):
     from ssd_jax.training.eagle_train import save_head
 
-    path = tmp_path / "head.safetensors"
+    path = tmp_path / f"{name}.safetensors"
     meta = {"layers": list(spec.layers), "target_sha256": target.weights_sha256, "target": target.name}
-    save_head(path, head, meta)
+    save_head(path, head, meta, vocab_ids=vocab_ids)
     return f"eagle:{path}"
 
 
@@ -132,6 +144,15 @@ def test_sd_with_a_head_is_exact(target, tmp_path):
     res = generate(target, prompts, sp, spec=SpecConfig(method="sd", draft=rand, k=3))
     assert [o["token_ids"] for o in res.outputs] == ar
     assert res.metrics["draft"] == rand
+    # a head with a trimmed vocabulary that leaves out some of AR's tokens: still AR's output
+    kept = np.setdiff1d(
+        np.arange(cfg.vocab_size), np.unique(np.concatenate([np.asarray(a) for a in ar]))[::2]
+    )
+    trim = _saved_head(tmp_path, target, eagle.init_head(cfg, spec, seed=5, scale=0.2), spec, kept, "trim")
+    loaded, _ = eagle.load_head(trim[len("eagle:") :])
+    np.testing.assert_array_equal(np.asarray(loaded["vocab_ids"]), kept)
+    res = generate(target, prompts, sp, spec=SpecConfig(method="sd", draft=trim, k=3))
+    assert [o["token_ids"] for o in res.outputs] == ar
 
 
 def _trained_head(target, prompts, steps=60, seed=0):
@@ -192,3 +213,56 @@ def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, biased
     assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
     # accepted / drafted: at about 0.4 a position (the head generalises a little) 0.15-0.2 of K = 4
     assert 0.1 < res.metrics["acceptance_rate"] < 0.95, res.metrics["acceptance_rate"]
+
+
+def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
+    """A head is found as ``eagle:PATH``, as a directory holding ``head.safetensors`` or by name in the
+    checkpoint roots; what a head cannot do is refused in one line (UserError)."""
+    from ssd_jax import SpecConfig
+    from ssd_jax.engine.methods.eagle import eagle_source, eagle_spec, is_eagle, load_eagle
+    from ssd_jax.errors import UserError
+
+    cfg = target.cfg
+    spec = eagle.HeadSpec(eagle.default_layers(cfg.num_layers))
+    root = tmp_path / "roots"
+    (root / "my-head").mkdir(parents=True)
+    _saved_head(root / "my-head", target, eagle.init_head(cfg, spec), spec)
+    monkeypatch.setenv("SSD_JAX_CHECKPOINTS", str(root))
+    assert eagle_source("my-head") == str(root / "my-head") == eagle_source("eagle:my-head")
+    assert eagle_source(str(root / "my-head")) == str(root / "my-head")
+    assert not is_eagle("smollm2-135m-draft") and not is_eagle("ngram") and not is_eagle(None)
+    head, meta = load_eagle(target, "my-head")
+    assert meta["layers"] == list(spec.layers)
+    assert (
+        eagle_spec(SpecConfig(method="sd", draft="my-head", k="auto"), target, 1)[0].k == 4
+    )  # no curve stored
+    for bad in (
+        SpecConfig(method="ssd", draft="my-head", k=2),
+        SpecConfig(method="sd", draft="my-head", k=2, draft_vocab=16),
+        SpecConfig(method="sd", draft="my-head", k=2, draft_dtype="bfloat16"),
+    ):
+        with pytest.raises(UserError):
+            eagle_spec(bad, target, 1)
+    with pytest.raises(UserError, match="no EAGLE head"):
+        load_eagle(target, "eagle:does-not-exist")
+    other = tiny_model(1, layers=4)
+    with pytest.raises(UserError, match="another target"):
+        load_eagle(other, "my-head")
+
+
+def test_k_auto_for_a_head_follows_its_acceptance_curve(target, tmp_path, monkeypatch):
+    """S(K) = (1 + sum P_d) t_ar / (K t_head + t_verify(K + 1)) from the head's stored curve: a head that
+    keeps being accepted gets a larger K than one whose fed-back proposals fail."""
+    from ssd_jax.decoding.kauto_head import choose_head_k, head_curve, head_speedups
+
+    assert head_curve([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
+    tv = {k: 1.0 + 0.1 * k for k in range(1, 9)}
+    sp = head_speedups([0.5, 0.25], 1.0, tv, 0.05)
+    assert sp[2] == pytest.approx((1 + 0.5 + 0.25) / (2 * 0.05 + 1.2))
+    monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
+    cfg = target.cfg
+    head = eagle.init_head(cfg, eagle.HeadSpec(eagle.default_layers(cfg.num_layers)))
+    strong, info = choose_head_k(target, head, {"acceptance_by_position": [0.97, 0.95, 0.93, 0.9]}, 1)
+    weak, info2 = choose_head_k(target, head, {"acceptance_by_position": [0.3, 0.03, 0.003, 0.0003]}, 1)
+    assert info["source"] == "measured" and info2["source"] == "cache"  # the target's costs, timed once
+    assert strong > weak >= 1, (info["expected_speedup_by_k"], info2["expected_speedup_by_k"])

@@ -106,6 +106,7 @@ class _Servers:
             "1",
         ],
         "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
+        "eagle": ["--method", "sd", "--draft", "{head}", "--k", "auto", "--max-batch", "2"],
         "ssd": [
             "--method",
             "ssd",
@@ -124,20 +125,36 @@ class _Servers:
         ],
     }
 
-    def __init__(self, target, draft):
-        self.target, self.draft, self.started = target, draft, {}
+    def __init__(self, target, draft, tmp):
+        self.target, self.draft, self.tmp, self.started = target, draft, tmp, {}
+
+    def head(self) -> str:
+        """An EAGLE head for the target: the shipped one for SmolLM2, else a random one saved for it."""
+        if not str(self.target).startswith("/"):
+            return "smollm2-135m-eagle"
+        from ssd_jax import load_model
+        from ssd_jax.drafters import eagle
+
+        target = load_model(self.target)
+        spec = eagle.HeadSpec(eagle.default_layers(target.cfg.num_layers))
+        meta = {"layers": list(spec.layers), "target_sha256": target.weights_sha256, "target": target.name}
+        eagle.save_head(
+            self.tmp / eagle.HEAD_WEIGHTS, eagle.init_head(target.cfg, spec, seed=2, scale=0.2), meta
+        )
+        return f"eagle:{self.tmp}"
 
     def __getitem__(self, name):
         if name not in self.started:
-            flags = [f.format(draft=self.draft) for f in self.FLAGS[name]]
+            head = self.head() if name == "eagle" else ""
+            flags = [f.format(draft=self.draft, head=head) for f in self.FLAGS[name]]
             self.started[name] = start(self.target, *SERVER_FLAGS, *flags, devices=2 if name == "ssd" else 1)
         return self.started[name][1]
 
 
 @pytest.fixture(scope="module")
-def servers(pair):
+def servers(pair, tmp_path_factory):
     """Each server must exit 0 without a traceback on SIGTERM; each reports its set-up on start."""
-    s = _Servers(*pair)
+    s = _Servers(*pair, tmp_path_factory.mktemp("head"))
     try:
         yield s
     finally:
@@ -158,6 +175,8 @@ def servers(pair):
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for name, (_, err) in errs.items():
         assert ("windows=160" if name == "sd" else "windows=80,160") in err
+    if "eagle" in errs:  # K auto is the head's default; its target cache is contiguous
+        assert " k=4" in errs["eagle"][1] and "kv=contiguous" in errs["eagle"][1], errs["eagle"][1][-2000:]
     if "ar" in errs:
         assert "buckets=2,4" in errs["ar"][1]  # AR rounds run 2 or 4 rows (SSD: every slot, "buckets=4")
 
@@ -243,11 +262,16 @@ def test_openai_client_matches_offline(servers, offline):
 # ssd is slow (46 s): the default set serves SSD in test_32_concurrent_requests
 @pytest.mark.parametrize(
     "method",
-    ["sd", pytest.param("ssd", marks=pytest.mark.slow), pytest.param("ngram", marks=pytest.mark.slow)],
+    [
+        "sd",
+        "eagle",
+        pytest.param("ssd", marks=pytest.mark.slow),
+        pytest.param("ngram", marks=pytest.mark.slow),
+    ],
 )
 def test_sd_servers_match_offline_and_count(servers, offline, method):
-    """SD (draft model / n-gram) and SSD greedy outputs equal offline AR, streamed or not; spec counters add
-    up, SSD's cache lookups too (one per running row per round that goes on)."""
+    """SD (draft model / n-gram / an EAGLE head) and SSD greedy outputs equal offline AR, streamed or not;
+    spec counters add up, SSD's cache lookups too (one per running row per round that goes on)."""
     url = servers[method]
     c = client(url)
     before = metrics(url)

@@ -109,7 +109,7 @@ def measure(
             )
     return {
         "target": target.name,
-        "draft": draft.name,
+        "draft": getattr(draft, "name", draft),
         "draft_weights_sha256": getattr(draft, "weights_sha256", None),
         "new_tokens": new_tokens,
         "chat": chat,

@@ -41,7 +41,10 @@ def environment() -> dict:
 def load_draft(name: str, target):
     """A draft by name/path, or ``first-N-layers``: the target's own first N layers (a shared-vocabulary draft)."""
     import ssd_jax
+    from ssd_jax.engine.methods.eagle import is_eagle
 
+    if is_eagle(name):  # an EAGLE head: the engine loads it beside the target
+        return name
     if name.startswith("first-") and name.endswith("-layers"):
         n = int(name.split("-")[1])
         return dataclasses.replace(

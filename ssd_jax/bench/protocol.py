@@ -191,6 +191,7 @@ def method_specs(
     ``load_draft``) instead of ``draft``, so one run can interleave drafts of several sizes; the
     method is named ``sd-kK@<last path component of DRAFT>``."""
     from ssd_jax.decoding.spec import SpecConfig
+    from ssd_jax.engine.methods.eagle import is_eagle
 
     usage = "(ar, sd:K, ngram:K, ssd:K; K an integer or auto; sd:K:vN|full; sd:K:bf16|f32; sd:K@DRAFT)"
     out, loaded, labels = {}, {}, {}
@@ -227,8 +228,10 @@ def method_specs(
                 label = Path(ref.rstrip("/")).name or ref
                 if labels.setdefault(label, ref) != ref:
                     raise UserError(f"drafts {labels[label]!r} and {ref!r} would both be named {label!r}")
-                if ref not in loaded:
-                    loaded[ref] = load_draft(ref) if load_draft is not None else ref
+                if (
+                    ref not in loaded
+                ):  # an EAGLE head stays a reference: the engine loads it beside the target
+                    loaded[ref] = load_draft(ref) if load_draft is not None and not is_eagle(ref) else ref
                 d, suffix = loaded[ref], f"{suffix}@{label}"
             if d is None:
                 raise UserError(f"method {n} needs a draft model")
@@ -554,15 +557,15 @@ def suite(args) -> Path:
     env_extra = {
         **fair,
         "target": target.name,
-        "draft": draft.name if draft else None,
+        "draft": getattr(draft, "name", draft),
         "bandwidth_gb_s": bw,
         "roofline_ar_tok_s_per_row": ar_roofline(target.cfg, bw),
-        "weights": {m.name: m.weights_sha256 for m in (target, draft) if m is not None},
+        "weights": {m.name: m.weights_sha256 for m in (target, draft) if hasattr(m, "weights_sha256")},
     }
     at_drafts = {n: s.draft for n, s in specs.items() if "@" in n}
     if at_drafts:  # the drafts of sd:K@DRAFT methods, by method
         env_extra["method_drafts"] = {
-            n: {"name": d.name, "weights_sha256": getattr(d, "weights_sha256", None)}
+            n: {"name": getattr(d, "name", d), "weights_sha256": getattr(d, "weights_sha256", None)}
             for n, d in at_drafts.items()
         }
     import jax
@@ -590,4 +593,6 @@ def suite(args) -> Path:
         )
     if not write:
         return path
-    return write_report(path, f"Benchmark protocol: {target.name}" + (f" / {draft.name}" if draft else ""))
+    return write_report(
+        path, f"Benchmark protocol: {target.name}" + (f" / {getattr(draft, 'name', draft)}" if draft else "")
+    )

@@ -285,6 +285,18 @@ def build_eagle_parser() -> argparse.ArgumentParser:
         "--layers", type=int, nargs="+", default=None, help="target layers read (default: low, mid, high)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--draft-vocab", type=int, default=8192,
+        help="the head's LM head keeps the N most frequent tokens (0: the whole vocabulary)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-weight", type=float, default=1.0,
+        help="loss weight of prompt positions (answers weigh 1; 0: answers only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--corpus-rows", type=int, default=0,
+        help="rows of each batch taken from the training corpus's text instead of the target's answers",
+    )  # fmt: skip
     p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per category (code, chat)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -298,9 +310,12 @@ def run_eagle_cli(argv) -> int:
     a = build_eagle_parser().parse_args(argv)
     if min(a.steps, a.batch_size, a.seq_len, a.depth, a.save_every) < 1 or a.lr <= 0:
         raise UserError("--steps, --batch-size, --seq-len, --depth and --save-every must be >= 1, --lr > 0")
+    if a.draft_vocab < 0 or a.prompt_weight < 0:
+        raise UserError("--draft-vocab and --prompt-weight must be >= 0")
     s = train_head(
         a.target, a.data, a.out, steps=a.steps, batch=a.batch_size, seq_len=a.seq_len, lr=a.lr, depth=a.depth,
         layers=a.layers, seed=a.seed, save_every=a.save_every, resume=a.resume, eval_prompts=a.eval_prompts,
+        vocab=a.draft_vocab or None, prompt_weight=a.prompt_weight, corpus_rows=a.corpus_rows,
     )  # fmt: skip
     print(json.dumps(s) if a.json else f"head in {s['out']}: {json.dumps(s)}")
     return 0

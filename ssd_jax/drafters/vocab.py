@@ -196,11 +196,12 @@ def trim_draft(model, head_ids: np.ndarray):
         if not model.cfg.tie_embeddings:
             raise UserError(f"draft {model.name} already has a trimmed head")
         model = full_head(model)
+    from ssd_jax.models import llama
+
     params = dict(model.params)
-    src = params["embed"] if model.cfg.tie_embeddings else params.pop("lm_head")
     ids = jnp.asarray(np.asarray(head_ids, np.int32))
-    # the head's stored layout (ssd_jax.models.forms): (V, D) rows, or (D, V) columns
-    params["head"] = jnp.take(src, ids, axis=0 if model.cfg.forms.head.layout == "oi" else 1)
+    params["head"] = llama.head_rows(params, model.cfg, ids)  # in the head's stored layout
+    params.pop("lm_head", None)
     params["head_ids"] = ids
     return dataclasses.replace(model, params=params)
 

@@ -90,16 +90,11 @@ def generate(
 def _prepare(model, spec: SpecConfig, sampling: SamplingParams, n_rows: int, load):
     """The draft as it will run (weight dtype, trimmed head) and K: (spec, draft_auto, k_auto, the
     calibration's seconds, counted as compile time)."""
-    from ssd_jax.engine.methods.eagle import EAGLE_K_AUTO, is_eagle
+    from ssd_jax.engine.methods.eagle import eagle_spec, is_eagle
 
     if is_eagle(spec.draft):  # an EAGLE head: no weight variants; K auto is a fixed default for now
-        k = EAGLE_K_AUTO if spec.k == "auto" else int(spec.k)
-        return (
-            dataclasses.replace(spec, k=k, k_plan=None, draft_dtype=None, draft_vocab=None),
-            None,
-            None,
-            0.0,
-        )
+        spec, k_auto, calib_s = eagle_spec(spec, model, n_rows)
+        return spec, None, k_auto, calib_s
     # draft_dtype / draft_vocab "auto" (the defaults): the variant the calibration expects to be fastest
     # (its measurements are K auto's, so the target's side is measured once for both)
     target_cal: dict = {}

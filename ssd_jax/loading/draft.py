@@ -59,6 +59,8 @@ SHAREABLE = ("embed", "lm_head")
 
 #: drafts that ship in the repository's ``checkpoints/`` folder (named in errors when absent)
 SHIPPED_DRAFTS = ("smollm2-135m-draft",)
+#: EAGLE-style heads that ship there (``checkpoints/<name>/head.safetensors``; ssd_jax.drafters.eagle)
+SHIPPED_HEADS = ("smollm2-135m-eagle",)
 CHECKPOINTS_ENV = "SSD_JAX_CHECKPOINTS"
 
 

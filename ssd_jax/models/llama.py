@@ -306,6 +306,18 @@ def logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     return F.apply(hidden, w, cfg.forms.head, preferred_element_type=jnp.float32)
 
 
+def head_rows(params: Params, cfg: ModelConfig, ids_N: jax.Array) -> jax.Array:
+    """The output head's rows for token ids ``ids_N`` in the head's stored layout (``(N, D)`` rows or
+    ``(D, N)`` columns): what a head trimmed to those ids multiplies by."""
+    src = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    return jnp.take(src, ids_N, axis=0 if cfg.forms.head.layout == "oi" else 1)
+
+
+def kept_logits(params: Params, cfg: ModelConfig, hidden: jax.Array, ids_N: jax.Array) -> jax.Array:
+    """Logits of the ``ids_N`` rows of the output head only, ``(..., N)`` in float32 (N/V of the cost)."""
+    return F.apply(hidden, head_rows(params, cfg, ids_N), cfg.forms.head, preferred_element_type=jnp.float32)
+
+
 def trimmed_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """A trimmed output head (draft vocabulary trimming, ``ssd_jax.drafters.vocab``).
 

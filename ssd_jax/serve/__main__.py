@@ -164,6 +164,13 @@ def _prepared_draft(args, spec, model):
     draft model."""
     if spec.method == "ar" or spec.draft in ("ngram", "random"):
         return spec, None
+    from ssd_jax.engine.methods.eagle import eagle_spec, is_eagle
+
+    if is_eagle(spec.draft):  # an EAGLE head: K auto its default, no weight variants
+        spec, info, _ = eagle_spec(spec, model, args.max_batch)
+        if info is not None:
+            print(f"[serve] EAGLE head, K auto: K={spec.k} ({info['source']})", file=sys.stderr, flush=True)
+        return spec, None
     from ssd_jax.decoding.kauto import choose_draft_variant
     from ssd_jax.drafters.base import check_same_tokenizer
     from ssd_jax.drafters.vocab import load_with_head, trimmed_draft

@@ -51,17 +51,19 @@ def held_out_sequences(target, n_per_category: int, new_tokens: int, categories=
     return toks, mask
 
 
-def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4) -> dict[str, float]:
+def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4, ids=None) -> dict[str, float]:
     """Teacher-forced greedy acceptance: the share of positions whose first proposal matches the
     target's greedy token (alpha_1) and the mean accepted of K, with a 95% interval over sequences."""
     import jax.numpy as jnp
 
     from ssd_jax.drafters.eagle import greedy_acceptance
 
-    firsts, means = [], []
+    firsts, means, by_pos = [], [], []
+    if ids is None and "vocab_ids" in head:
+        ids = jnp.asarray(head["vocab_ids"])
     for i in range(0, len(toks), batch):
         ok, w = greedy_acceptance(
-            head, target.params, jnp.asarray(toks[i : i + batch]), jnp.asarray(mask[i : i + batch]),
+            head, target.params, jnp.asarray(toks[i : i + batch]), jnp.asarray(mask[i : i + batch]), ids,
             cfg=target.cfg, spec=spec, k=k,
         )  # fmt: skip
         ok, w = np.asarray(ok), np.asarray(w)
@@ -69,6 +71,7 @@ def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4) ->
             if w[r].any():
                 firsts.append(float((ok[r][w[r]] >= 1).mean()))
                 means.append(float(ok[r][w[r]].mean()))
+                by_pos.append([float((ok[r][w[r]] >= d).mean()) for d in range(1, k + 1)])
 
     def ci(xs):
         xs = np.asarray(xs)
@@ -78,7 +81,36 @@ def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4) ->
     a1, a1_h = ci(firsts)
     m, m_h = ci(means)
     return {"alpha_1": a1, "alpha_1_ci": a1_h, "accepted_of_k": m, "accepted_of_k_ci": m_h, "k": k,
-            "sequences": len(firsts)}  # fmt: skip
+            "p_first_d_accepted": np.mean(by_pos, axis=0).round(4).tolist(), "sequences": len(firsts)}  # fmt: skip
+
+
+def scored_positions(b: dict, prompt_weight: float) -> np.ndarray:
+    """The loss weights of a batch's positions: 1 where the token predicted is one of the target's
+    generated tokens, ``prompt_weight`` where it is a prompt token (the target's distribution there
+    is computed in the step all the same), 0 on padding."""
+    seg = b["segments"]
+    prompt = np.zeros_like(b["mask"])
+    prompt[:, :-1] = ((seg[:, :-1] > 0) & (seg[:, 1:] > 0)).astype(np.float32)
+    return np.maximum(b["mask"], prompt_weight * prompt * (b["mask"] == 0))
+
+
+def corpus_stream(target, n_tokens: int) -> np.ndarray:
+    """The training corpus's text (ShareGPT conversations in the chat template, code, maths) as one
+    token stream of ``n_tokens``: windows the head learns the target's distributions on besides its
+    own answers (the target runs in each step, so any text serves)."""
+    from ssd_jax.training.corpus import corpus_docs, token_stream
+
+    stream, _ = token_stream(corpus_docs("corpus", "train"), target.tokenizer, n_tokens)
+    return stream
+
+
+def head_vocab_ids(target, n: int | None):
+    """The kept ids of an ``n``-token head (the counts ``--draft-vocab`` uses), or None for the full one."""
+    if n is None or n >= target.cfg.vocab_size:
+        return None
+    from ssd_jax.drafters.vocab import always_kept, draft_token_counts, kept_ids
+
+    return np.asarray(kept_ids(draft_token_counts(target), n, always_kept(target.tokenizer)), np.int32)
 
 
 def train_head(
@@ -93,6 +125,9 @@ def train_head(
     depth: int = 3,
     layers: tuple[int, ...] | None = None,
     seed: int = 0,
+    vocab: int | None = 8192,
+    prompt_weight: float = 1.0,
+    corpus_rows: int = 0,
     save_every: int = 50,
     resume: bool = False,
     eval_prompts: int = 8,
@@ -106,6 +141,7 @@ def train_head(
     from ssd_jax.drafters import eagle
     from ssd_jax.loading import load_model
     from ssd_jax.training.checkpoint import RunDir
+    from ssd_jax.training.corpus import train_batch
     from ssd_jax.training.distill import distill_batch
     from ssd_jax.training.distill_data import load_distill_data
 
@@ -115,12 +151,14 @@ def train_head(
     dd = load_distill_data(data)
     run = RunDir(out)
     recipe = {"target": target_name, "target_sha256": target.weights_sha256, "layers": list(spec.layers), "depth": depth,
-              "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "data": str(data), "steps": steps}  # fmt: skip
+              "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "data": str(data), "steps": steps,
+              "vocab": vocab, "prompt_weight": prompt_weight, "corpus_rows": corpus_rows}  # fmt: skip
     meta_path = Path(out) / HEAD_META
     if run.has_run() or meta_path.exists():
         if not resume:
             raise UserError(f"{out} holds a run: pass --resume to continue it, or another --out")
         old = json.loads(meta_path.read_text())
+        old = {"vocab": None, "prompt_weight": 0.0, "corpus_rows": 0, **old}  # runs from before these options
         diff = sorted(k for k in recipe if k != "steps" and old.get(k) != recipe[k])
         if diff:
             raise UserError(f"--resume with a different recipe ({', '.join(diff)}): use another --out")
@@ -135,24 +173,40 @@ def train_head(
         start, head, state = got
         log(f"resumed at step {start}")
     step_fn = eagle.make_head_step(target.cfg, spec, depth, opt)
+    ids = head_vocab_ids(target, vocab)
+    if not 0 <= corpus_rows < batch:
+        raise UserError(
+            f"--corpus-rows must lie in 0..{batch - 1} (the rest of the batch is the target's answers)"
+        )
+    stream = corpus_stream(target, steps * corpus_rows * seq_len + 1) if corpus_rows else None
+    ids_d = None if ids is None else jax.numpy.asarray(ids)
     held = held_out_sequences(target, eval_prompts, 48) if eval_prompts else None
     t0, toks_seen = time.perf_counter(), 0
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="eagle head", disable=None)
     loss = stats = None
     for s in bar:
-        b = distill_batch(dd, s, seed, batch, seq_len)
-        head, state, loss, stats = step_fn(head, state, target.params, b["tokens"][:, :-1], b["mask"])
-        toks_seen += int(b["mask"].sum())
+        b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
+        tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
+        if stream is not None:  # corpus windows: every position scored (the target's p needs no next token)
+            c = train_batch(stream, s, seed, corpus_rows, seq_len)[:, :-1]
+            tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
+        head, state, loss, stats = step_fn(head, state, target.params, tokens, w, ids_d)
+        toks_seen += int((w > 0).sum())
         if (s + 1) % 10 == 0:
             st = {k: float(v) for k, v in stats.items()}
             bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
             run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
         if (s + 1) % save_every == 0 or s + 1 == steps:
             run.save(s + 1, head, state)
-            save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1})
+            save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids)
     summary = {"out": out, "steps": steps, "train_s": time.perf_counter() - t0, "scored_tokens": toks_seen,
                "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
-    if held is not None:
-        summary["held_out"] = evaluate_head(jax.device_get(head), target, spec, *held)
-        run.append_log({"eval": summary["held_out"], "step": steps})
+    if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
+        from ssd_jax.analysis.kchoice import K_MAX
+
+        ev = evaluate_head(jax.device_get(head), target, spec, *held, k=K_MAX, ids=ids_d)
+        summary["held_out"] = ev
+        run.append_log({"eval": ev, "step": steps})
+        meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
+        save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids)
     return summary

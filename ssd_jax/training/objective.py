@@ -53,13 +53,9 @@ def kept_logits(params, cfg: ModelConfig, hidden_BxTxD, head_ids_N):
 
     A trimmed head trained this way costs N/V of the full head's matmul, and every (B, T, .) array
     of the loss is N wide instead of V (for SmolLM2 at N = 4096: 12x less)."""
-    import jax.numpy as jnp
+    from ssd_jax.models import llama
 
-    from ssd_jax.models import forms as F
-
-    src = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    w = jnp.take(src, head_ids_N, axis=0 if cfg.forms.head.layout == "oi" else 1)  # the stored layout
-    return F.apply(hidden_BxTxD, w, cfg.forms.head, preferred_element_type=jnp.float32)
+    return llama.kept_logits(params, cfg, hidden_BxTxD, head_ids_N)
 
 
 MASKED_LOGIT = -1e30  # logit of a token outside a trimmed head: q = 0 there, and no inf - inf

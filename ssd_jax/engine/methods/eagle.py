@@ -16,19 +16,75 @@ from ssd_jax.engine.methods.base import Method
 from ssd_jax.engine.methods.sd import SDRound
 
 PREFIX = "eagle:"
-#: K with ``--k auto`` (no calibration of heads yet)
-EAGLE_K_AUTO = 4
+
+
+def eagle_source(draft) -> str | None:
+    """Where an EAGLE head given as a draft lives (a ``head.safetensors`` file or a directory holding
+    one), or None if ``draft`` is not a head. A head is ``eagle:PATH`` (PATH a file, a directory or a
+    shipped name), or a directory or shipped name (``checkpoints/<name>/``, as draft models are found)
+    that holds a ``head.safetensors``."""
+    from pathlib import Path
+
+    from ssd_jax.errors import UserError
+    from ssd_jax.loading.draft import CHECKPOINTS_ENV, SHIPPED_HEADS, checkpoint_roots
+
+    if not isinstance(draft, str):
+        return None
+    ref, forced = (draft[len(PREFIX) :], True) if draft.startswith(PREFIX) else (draft, False)
+    p = Path(ref).expanduser()
+    if p.is_file() and forced or (p / eagle.HEAD_WEIGHTS).is_file():
+        return str(p)
+    if ref and "/" not in ref and not p.exists():
+        roots = checkpoint_roots()
+        for root in roots:
+            if (root / ref / eagle.HEAD_WEIGHTS).is_file():
+                return str(root / ref)
+        if ref in SHIPPED_HEADS:
+            raise UserError(
+                f"shipped head {ref!r} not found (looked in {', '.join(map(str, roots))}): use an editable install "
+                f"(pip install -e REPO) or set {CHECKPOINTS_ENV}=REPO/checkpoints"
+            )
+    return ref if forced else None  # eagle:PATH that is not there: load_head says so
 
 
 def is_eagle(draft) -> bool:
-    return isinstance(draft, str) and draft.startswith(PREFIX)
+    return eagle_source(draft) is not None
+
+
+def eagle_spec(spec, model, batch: int):
+    """(``spec`` with an EAGLE head as its draft, ready for the engine; K auto's info or None; seconds
+    spent measuring). K auto: :func:`ssd_jax.decoding.kauto_head.choose_head_k`. A head has no weight
+    variants (its vocabulary is the one it was trained with). One-line errors for what a head does not
+    do yet."""
+    import dataclasses
+
+    from ssd_jax.decoding.kauto_head import choose_head_k
+    from ssd_jax.errors import UserError
+
+    if spec.method != "sd":
+        raise UserError(
+            f"an EAGLE head drafts for --method sd (method {spec.method} with a head is not built yet)"
+        )
+    for opt, v in (("--draft-vocab", spec.draft_vocab), ("--draft-dtype", spec.draft_dtype)):
+        if v not in (None, "auto"):
+            raise UserError(
+                f"{opt} does not apply to an EAGLE head (its vocabulary and dtype are fixed in training)"
+            )
+    info = None
+    if spec.k == "auto":
+        head, meta = load_eagle(model, spec.draft)
+        k, info = choose_head_k(model, head, meta, batch)
+    else:
+        k = int(spec.k)
+    spec = dataclasses.replace(spec, k=k, k_plan=None, draft_dtype=None, draft_vocab=None)
+    return spec, info, (info or {}).get("calibration_s", 0.0)
 
 
 def load_eagle(model, draft: str):
-    """(head parameters, meta) of ``eagle:PATH``, checked against the target."""
+    """(head parameters, meta) of a head (:func:`eagle_source`), checked against the target."""
     from ssd_jax.errors import UserError
 
-    head, meta = eagle.load_head(draft[len(PREFIX) :])
+    head, meta = eagle.load_head(eagle_source(draft))
     spec = eagle.HeadSpec(tuple(int(i) for i in meta["layers"]))
     spec.validate(model.cfg)
     if meta.get("target_sha256") not in (None, model.weights_sha256):
@@ -55,7 +111,7 @@ class SDEagle(Method):
 
     def setup_draft(self, engine) -> None:
         cfg = self.model.cfg
-        self.head = jax.tree.map(self.put, self.head_h)
+        self.head = jax.tree.map(self.put, eagle.attach_vocab(self.head_h, self.model.params, cfg))
         self.hcache = jax.tree.map(self.put, eagle.init_head_cache(cfg, self.B, self.max_len))
         width = len(self.layers) * cfg.hidden_size
         self.pend = jax.tree.map(self.put, Pending.empty(self.B, self.K + 1, width, cfg.jnp_dtype))
