@@ -266,3 +266,30 @@ def test_k_auto_for_a_head_follows_its_acceptance_curve(target, tmp_path, monkey
     weak, info2 = choose_head_k(target, head, {"acceptance_by_position": [0.3, 0.03, 0.003, 0.0003]}, 1)
     assert info["source"] == "measured" and info2["source"] == "cache"  # the target's costs, timed once
     assert strong > weak >= 1, (info["expected_speedup_by_k"], info2["expected_speedup_by_k"])
+
+
+def test_scored_positions_weigh_prompts_and_skip_padding():
+    """Position j's weight is that of token j + 1: 1 for a generated token, the prompt weight for a
+    prompt token, 0 for padding (and for the window's last position, whose next token is not in it)."""
+    from ssd_jax.training.eagle_train import scored_positions
+
+    seg = np.array([[1, 1, 1, 1, 1, 0, 0, 0]], np.int32)  # 5 tokens, then padding
+    mask = np.array([[0, 0, 1, 1, 0, 0, 0, 0]], np.float32)  # tokens 3 and 4 are generated
+    w = scored_positions({"segments": seg, "mask": mask}, 0.25)
+    np.testing.assert_allclose(w[0], [0.25, 0.25, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_allclose(scored_positions({"segments": seg, "mask": mask}, 0.0)[0], mask[0])
+
+
+@pytest.mark.slow
+def test_shipped_head_keeps_its_acceptance():
+    """Regression guard on the shipped SmolLM2 head: its teacher-forced first-proposal acceptance on
+    held-out benchmark prompts (code and chat, chat template, the target's greedy answers) stays >= 0.3."""
+    from ssd_jax import load_model
+    from ssd_jax.engine.methods.eagle import load_eagle
+    from ssd_jax.training.eagle_train import evaluate_head, held_out_sequences
+
+    target = load_model("smollm2-135m-instruct", dtype="float32")
+    head, meta = load_eagle(target, "smollm2-135m-eagle")
+    toks, mask = held_out_sequences(target, 4, 32)
+    ev = evaluate_head(head, target, eagle.HeadSpec(tuple(meta["layers"])), toks, mask, k=4)
+    assert ev["alpha_1"] >= 0.3, ev
