@@ -27,6 +27,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--store-curve", action="store_true",
+        help="write the curve into the head's file (acceptance_by_position, what K auto reads), as training does",
+    )  # fmt: skip
     a = ap.parse_args()
 
     from ssd_jax import load_model
@@ -42,6 +46,14 @@ def main() -> None:
     out = {"target": a.target, "head": a.head, "step": meta.get("step"), "layers": meta["layers"],
            "head_params": eagle.count_head_params(head), **res,
            "new_tokens": a.new_tokens, "eval_s": time.perf_counter() - t0, "load": os.getloadavg()[0]}  # fmt: skip
+    if a.store_curve:
+        from pathlib import Path
+
+        p = Path(a.head)
+        p = p / eagle.HEAD_WEIGHTS if p.is_dir() else p
+        ids = head.pop("vocab_ids", None)
+        meta = {**meta, "acceptance_by_position": res["p_first_d_accepted"], "held_out": res}
+        eagle.save_head(p, head, meta, vocab_ids=ids)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
