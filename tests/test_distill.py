@@ -490,6 +490,9 @@ def test_shipped_draft_loads_by_name_from_another_directory(tmp_path, monkeypatc
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(dfmt.CHECKPOINTS_ENV, raising=False)
-    assert default_draft("smollm2-135m-instruct") == "smollm2-135m-draft"
+    assert default_draft("smollm2-135m-instruct", "ssd") == "smollm2-135m-draft"
+    assert (
+        default_draft("smollm2-135m-instruct", "sd") == "smollm2-135m-eagle"
+    )  # SD's default: the shipped head
     d = load_model("smollm2-135m-draft")
     assert d.cfg.num_layers == 3 and d.tokenizer is not None

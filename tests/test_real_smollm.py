@@ -107,7 +107,7 @@ def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
     elif drafter.startswith("shipped"):
         from ssd_jax.drafters import default_draft
 
-        draft = default_draft("smollm2-135m-instruct")
+        draft = default_draft("smollm2-135m-instruct", method="model")
         if drafter == "shipped":
             draft = ssd_jax.load_model(draft)
     else:

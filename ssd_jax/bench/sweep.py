@@ -220,11 +220,11 @@ def run_one(target, draft, c: dict[str, Any], cfg: dict[str, Any], env: dict[str
 
 
 def _resolve_draft(name: str | None, target_name: str) -> str | None:
-    """``"default"`` is the target's default draft (e.g. the shipped trained checkpoint)."""
+    """``"default"`` is the target's default draft model (e.g. the shipped trained checkpoint)."""
     if name == "default":
         from ssd_jax.drafters import default_draft
 
-        return default_draft(target_name)
+        return default_draft(target_name, method="model")
     return name
 
 

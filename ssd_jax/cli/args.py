@@ -113,7 +113,7 @@ def spec_from_args(args):
     if args.method in ("sd", "ssd") and args.draft is None:
         from ssd_jax.drafters import default_draft
 
-        args.draft = default_draft(args.target)
+        args.draft = default_draft(args.target, args.method)
     return SpecConfig(
         method=args.method,
         draft=args.draft,
