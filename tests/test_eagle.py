@@ -17,7 +17,8 @@ def target():
     return tiny_model(0, layers=4)
 
 
-@pytest.mark.parametrize("trimmed", [False, True])
+# the full head in the slow set (default-suite budget): the trimmed case runs the same code and more
+@pytest.mark.parametrize("trimmed", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_training_view_equals_decode_time_drafting(target, trimmed):
     """For one sequence, the head's step-d log-probabilities at position j from the unrolled training
     view equal those of drafting after a prefill of pairs 0..j-1, pending pair j, own outputs fed back

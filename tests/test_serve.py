@@ -106,7 +106,20 @@ class _Servers:
             "1",
         ],
         "ngram": ["--method", "sd", "--draft", "ngram", "--k", "3", "--max-batch", "2"],
-        "eagle": ["--method", "sd", "--draft", "{head}", "--k", "auto", "--max-batch", "2"],
+        "eagle": [
+            "--method",
+            "sd",
+            "--draft",
+            "{head}",
+            "--k",
+            "auto",
+            "--max-batch",
+            "2",
+            "--batch-buckets",
+            "1",
+            "--context-buckets",
+            "1",
+        ],  # fmt: skip
         "ssd": [
             "--method",
             "ssd",
@@ -174,7 +187,7 @@ def servers(pair, tmp_path_factory):
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for name, (_, err) in errs.items():
-        assert ("windows=160" if name == "sd" else "windows=80,160") in err
+        assert ("windows=160" if name in ("sd", "eagle") else "windows=80,160") in err
     if "eagle" in errs:  # K auto is the head's default; its target cache is contiguous
         assert " k=4" in errs["eagle"][1] and "kv=contiguous" in errs["eagle"][1], errs["eagle"][1][-2000:]
     if "ar" in errs:

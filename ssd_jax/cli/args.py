@@ -106,14 +106,15 @@ def add_spec_args(p) -> None:
     return g
 
 
-def spec_from_args(args):
-    """The :class:`SpecConfig` the flags ask for (the default draft of the target when SD / SSD has none)."""
+def spec_from_args(args, paged: bool = False):
+    """The :class:`SpecConfig` the flags ask for (the default draft of the target when SD / SSD has none;
+    ``paged``: the server's, which pages its KV cache, so a draft model rather than a head)."""
     from ssd_jax.decoding.spec import SpecConfig
 
     if args.method in ("sd", "ssd") and args.draft is None:
         from ssd_jax.drafters import default_draft
 
-        args.draft = default_draft(args.target, args.method)
+        args.draft = default_draft(args.target, "model" if paged else args.method)
     return SpecConfig(
         method=args.method,
         draft=args.draft,

@@ -262,6 +262,23 @@ def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = Non
     return dataclasses.replace(spec, k=k, k_plan=plan), info, info["calibration_s"]
 
 
+def target_costs(model, batch: int) -> tuple[dict, str, Path]:
+    """(the target's ``t_ar`` and ``t_verify`` at ``batch`` rows, "cache" or "measured", the cache file):
+    the target's side of a calibration alone, for drafts that are priced without one of their own (an
+    EAGLE-style head, :mod:`ssd_jax.decoding.kauto_head`); cached like every calibration."""
+    from ssd_jax.decoding.calibration import target_part
+
+    fields, key = _key(model, {"kind": "target-costs"}, batch)
+    path = kauto_dir() / f"{key}.json"
+    rec = _read(path)
+    if rec is not None and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
+        return rec["costs"], "cache", path
+    part = target_part(model, batch)
+    costs = {"t_ar": part["t_ar"], "t_verify": {str(k): v for k, v in part["t_verify"].items()}}
+    _write_atomic(path, {**fields, "costs": costs})
+    return costs, "measured", path
+
+
 # --- the draft's variant: weight dtype and head size -----------------------------------------
 
 #: a draft whose weight matrices stream fewer bytes than this per step is not offered bfloat16

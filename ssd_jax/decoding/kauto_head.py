@@ -66,21 +66,10 @@ def choose_head_k(model, head: dict, meta: dict, batch: int) -> tuple[int, dict]
     curve = meta.get("acceptance_by_position")
     if not curve:
         return DEFAULT_K, {"source": "default (the head stores no acceptance curve)"}
-    from ssd_jax.decoding.calibration import target_part
-    from ssd_jax.decoding.kauto import _key, _read, _write_atomic, kauto_dir
+    from ssd_jax.decoding.kauto import target_costs
 
-    fields, key = _key(model, {"kind": "target-costs"}, batch)
-    path = kauto_dir() / f"{key}.json"
-    rec, source, t0 = _read(path), "cache", time.perf_counter()
-    if rec is None:
-        part = target_part(model, batch)
-        rec = {
-            **fields,
-            "costs": {"t_ar": part["t_ar"], "t_verify": {str(k): v for k, v in part["t_verify"].items()}},
-        }
-        _write_atomic(path, rec)
-        source = "measured"
-    c = rec["costs"]
+    t0 = time.perf_counter()
+    c, source, path = target_costs(model, batch)
     t_ar = float(c["t_ar"])
     t_head = t_ar * head_step_bytes(model, head) / max(_matrix_bytes(model.params), 1)
     sp = head_speedups(curve, t_ar, interpolate_verify({int(k): v for k, v in c["t_verify"].items()}), t_head)

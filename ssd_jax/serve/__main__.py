@@ -132,7 +132,8 @@ def _checked_spec(args):
     from ssd_jax.errors import UserError
     from ssd_jax.parallel.distributed import multi_process
 
-    spec = spec_from_args(args)
+    # the default draft is the draft model, not a head: a head's target cache is not paged yet
+    spec = spec_from_args(args, paged=True)
     if args.context_buckets is None:
         args.context_buckets = _default_context_buckets()
     if (
