@@ -181,11 +181,15 @@ def _trained_head(target, prompts, steps=60, seed=0):
     return head, spec
 
 
-@pytest.mark.parametrize("biased", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, biased):
+@pytest.mark.parametrize(
+    "case",
+    ["full", pytest.param("biased", marks=pytest.mark.slow), pytest.param("trimmed", marks=pytest.mark.slow)],
+)
+def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, case):
     """Every token SD emits with an EAGLE head at T = 1 is scored against the target's conditional
-    (the goodness-of-fit test of test_exactness, same prompts, rows and K); a verifier that draws the
-    bonus token from the head's q (the control) must fail it."""
+    (the goodness-of-fit test of test_exactness, same prompts, rows and K), also with the head's LM head
+    trimmed to 8 of the 16 tokens (q = 0 on the rest: the residual must give them their mass); a
+    verifier that draws the bonus token from the head's q (the control) must fail it."""
     import dataclasses
 
     from reference import collect, goodness_of_fit
@@ -196,7 +200,9 @@ def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, biased
 
     target = tiny_model(7, vocab=16, scale=0.3, layers=2)
     head, spec = _trained_head(target, STAT_PROMPTS)
-    draft = _saved_head(tmp_path, target, head, spec)
+    biased = case == "biased"
+    kept = np.arange(0, 16, 2) if case == "trimmed" else None
+    draft = _saved_head(tmp_path, target, head, spec, kept)
     if biased:
         _bonus_from_q(monkeypatch)
     sd_eagle.eagle_round_program.cache_clear()
@@ -212,6 +218,10 @@ def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, biased
         return
     assert not rep.rejected, str(rep)
     assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    if kept is not None:  # the head never proposes the other 8 tokens, yet they are emitted (by the residual)
+        toks = np.concatenate([np.asarray(o["token_ids"]) for o in res.outputs])
+        assert np.isin(toks, kept, invert=True).mean() > 0.2
+        return
     # accepted / drafted: at about 0.4 a position (the head generalises a little) 0.15-0.2 of K = 4
     assert 0.1 < res.metrics["acceptance_rate"] < 0.95, res.metrics["acceptance_rate"]
 
