@@ -54,9 +54,10 @@ def main() -> None:
         ids = head.pop("vocab_ids", None)
         meta = {**meta, "acceptance_by_position": res["p_first_d_accepted"], "held_out": res}
         eagle.save_head(p, head, meta, vocab_ids=ids)
+    from ssd_jax.loading.draft import write_json_atomic
+
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json_atomic(a.out, out)
     print(json.dumps(out))
 
 

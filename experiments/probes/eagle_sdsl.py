@@ -92,9 +92,10 @@ def main() -> None:
             )
             row["measured"][label] = m
         rows.append(row)
+    from ssd_jax.loading.draft import write_json_atomic
+
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_json_atomic(a.out, rows)
     print(json.dumps(rows, indent=1))
 
 

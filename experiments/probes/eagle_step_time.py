@@ -59,9 +59,10 @@ def main() -> None:
     out = {"target": a.target, "batch": a.batch, "seq_len": a.seq_len, "depth": a.depth, "vocab": a.vocab,
            "head_params": eagle.count_head_params(head), "first_call_s": first, "step_s": times,
            "median_step_s": float(np.median(times)), "load": os.getloadavg()[0]}  # fmt: skip
+    from ssd_jax.loading.draft import write_json_atomic
+
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json_atomic(a.out, out)
     print(json.dumps(out))
 
 

@@ -42,24 +42,15 @@ def default_draft(target: str, method: str = "sd") -> str:
     head shipped in ``checkpoints/`` (loadable by name from any working directory). ``sd`` may get a
     head (:data:`DEFAULT_SD_DRAFTS`); any other method (``ssd``, or ``model`` to ask for one) a model."""
     from ssd_jax.errors import UserError
-    from ssd_jax.loading.draft import (
-        CHECKPOINTS_ENV,
-        SHIPPED_DRAFTS,
-        SHIPPED_HEADS,
-        checkpoint_roots,
-        resolve_draft,
-    )
+    from ssd_jax.loading.draft import SHIPPED_DRAFTS, SHIPPED_HEADS, resolve_draft, resolve_head
 
     d = (DEFAULT_SD_DRAFTS if method == "sd" else {}).get(str(target)) or DEFAULT_DRAFTS.get(str(target))
     if d is None:
         raise UserError(f"no default draft for {target}; pass --draft NAME_OR_PATH (or ngram)")
     if d in SHIPPED_DRAFTS:
         resolve_draft(d)  # a one-line error now if this install lacks checkpoints/
-    if d in SHIPPED_HEADS and not any((r / d / "head.safetensors").is_file() for r in checkpoint_roots()):
-        raise UserError(
-            f"the default head {d!r} is not in {', '.join(map(str, checkpoint_roots()))}: use an editable install "
-            f"(pip install -e REPO), set {CHECKPOINTS_ENV}=REPO/checkpoints or pass --draft"
-        )
+    if d in SHIPPED_HEADS:
+        resolve_head(d)  # the same for a shipped head
     return d
 
 

@@ -100,6 +100,23 @@ def resolve_draft(name_or_path: str | os.PathLike) -> Path | None:
     return None
 
 
+def resolve_head(name: str) -> Path | None:
+    """The directory of an EAGLE-style head given by shipped name (``<root>/<name>/head.safetensors`` in
+    :func:`checkpoint_roots`), or None. A name of :data:`SHIPPED_HEADS` found in no root is a
+    :class:`UserError`, as for shipped drafts."""
+    roots = checkpoint_roots()
+    for root in roots:
+        if (root / name / "head.safetensors").is_file():
+            return root / name
+    if name in SHIPPED_HEADS:
+        raise UserError(
+            f"shipped head {name!r} not found (looked in {', '.join(str(r) for r in roots)}): it lives in the "
+            f"repository's checkpoints/ folder, which a non-editable install lacks; use an editable install "
+            f"(pip install -e REPO) or set {CHECKPOINTS_ENV}=REPO/checkpoints"
+        )
+    return None
+
+
 def trained_head_vocab(source: str | os.PathLike) -> tuple[int, Path] | None:
     """``(N, draft directory)`` when the model loaded from ``source`` (a :class:`LoadedModel`'s
     ``source``: a draft's ``params/`` or ``state/<step>``) is a draft trained with ``--draft-vocab N``:

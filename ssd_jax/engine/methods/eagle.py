@@ -25,25 +25,16 @@ def eagle_source(draft) -> str | None:
     that holds a ``head.safetensors``."""
     from pathlib import Path
 
-    from ssd_jax.errors import UserError
-    from ssd_jax.loading.draft import CHECKPOINTS_ENV, SHIPPED_HEADS, checkpoint_roots
+    from ssd_jax.loading.draft import resolve_head
 
     if not isinstance(draft, str):
         return None
     ref, forced = (draft[len(PREFIX) :], True) if draft.startswith(PREFIX) else (draft, False)
     p = Path(ref).expanduser()
-    if p.is_file() and forced or (p / eagle.HEAD_WEIGHTS).is_file():
+    if (forced and p.is_file()) or (p / eagle.HEAD_WEIGHTS).is_file():
         return str(p)
-    if ref and "/" not in ref and not p.exists():
-        roots = checkpoint_roots()
-        for root in roots:
-            if (root / ref / eagle.HEAD_WEIGHTS).is_file():
-                return str(root / ref)
-        if ref in SHIPPED_HEADS:
-            raise UserError(
-                f"shipped head {ref!r} not found (looked in {', '.join(map(str, roots))}): use an editable install "
-                f"(pip install -e REPO) or set {CHECKPOINTS_ENV}=REPO/checkpoints"
-            )
+    if ref and "/" not in ref and not p.exists() and (d := resolve_head(ref)) is not None:
+        return str(d)
     return ref if forced else None  # eagle:PATH that is not there: load_head says so
 
 
