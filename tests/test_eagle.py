@@ -181,6 +181,39 @@ def _trained_head(target, prompts, steps=60, seed=0):
     return head, spec
 
 
+def sampled_with_head(tmp_path, monkeypatch, method, biased, kept=None):
+    """(result, goodness-of-fit report) of ``method`` with a briefly trained head at T = 1 over
+    test_exactness's prompts, rows and K; ``biased``: the verifier draws the bonus token from the draft's
+    q (the control); ``kept``: the head's LM head trimmed to those ids."""
+    import dataclasses
+
+    from reference import collect, goodness_of_fit
+    from test_exactness import K, N_ROWS, NEW_TOKENS, STAT_PROMPTS, T1, _bonus_from_q
+
+    from ssd_jax import SpecConfig, generate
+    from ssd_jax.decoding import sd_eagle
+    from ssd_jax.decoding.ssd import head as ssd_head
+
+    target = tiny_model(7, vocab=16, scale=0.3, layers=2)
+    head, spec = _trained_head(target, STAT_PROMPTS)
+    draft = _saved_head(tmp_path, target, head, spec, kept)
+    caches = (sd_eagle.eagle_round_program, ssd_head.ssd_head_programs)
+    if biased:
+        _bonus_from_q(monkeypatch)
+    for c in caches:
+        c.cache_clear()
+    try:
+        sp = dataclasses.replace(T1, n=N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=31)
+        res = generate(target, STAT_PROMPTS, sp, SpecConfig(method=method, draft=draft, k=K))
+    finally:
+        monkeypatch.undo()
+        for c in caches:
+            c.cache_clear()
+    rep = goodness_of_fit(collect(target, STAT_PROMPTS, res.outputs, K, sp), seed=31)
+    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
+    return res, rep
+
+
 @pytest.mark.parametrize(
     "case",
     ["full", pytest.param("biased", marks=pytest.mark.slow), pytest.param("trimmed", marks=pytest.mark.slow)],
@@ -190,34 +223,13 @@ def test_sampled_sd_with_a_head_follows_the_target(tmp_path, monkeypatch, case):
     (the goodness-of-fit test of test_exactness, same prompts, rows and K), also with the head's LM head
     trimmed to 8 of the 16 tokens (q = 0 on the rest: the residual must give them their mass); a
     verifier that draws the bonus token from the head's q (the control) must fail it."""
-    import dataclasses
-
-    from reference import collect, goodness_of_fit
-    from test_exactness import K, N_ROWS, NEW_TOKENS, STAT_PROMPTS, T1, _bonus_from_q
-
-    from ssd_jax import SpecConfig, generate
-    from ssd_jax.decoding import sd_eagle
-
-    target = tiny_model(7, vocab=16, scale=0.3, layers=2)
-    head, spec = _trained_head(target, STAT_PROMPTS)
     biased = case == "biased"
     kept = np.arange(0, 16, 2) if case == "trimmed" else None
-    draft = _saved_head(tmp_path, target, head, spec, kept)
-    if biased:
-        _bonus_from_q(monkeypatch)
-    sd_eagle.eagle_round_program.cache_clear()
-    try:
-        sp = dataclasses.replace(T1, n=N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=31)
-        res = generate(target, STAT_PROMPTS, sp, SpecConfig(method="sd", draft=draft, k=K))
-    finally:
-        monkeypatch.undo()
-        sd_eagle.eagle_round_program.cache_clear()
-    rep = goodness_of_fit(collect(target, STAT_PROMPTS, res.outputs, K, sp), seed=31)
+    res, rep = sampled_with_head(tmp_path, monkeypatch, "sd", biased, kept)
     if biased:
         assert rep.rejected, f"the biased engine passed: {rep}"
         return
     assert not rep.rejected, str(rep)
-    assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
     if kept is not None:  # the head never proposes the other 8 tokens, yet they are emitted (by the residual)
         toks = np.concatenate([np.asarray(o["token_ids"]) for o in res.outputs])
         assert np.isin(toks, kept, invert=True).mean() > 0.2
@@ -248,7 +260,8 @@ def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
         eagle_spec(SpecConfig(method="sd", draft="my-head", k="auto"), target, 1)[0].k == 4
     )  # no curve stored
     for bad in (
-        SpecConfig(method="ssd", draft="my-head", k=2),
+        SpecConfig(method="ssd", draft="my-head", k=2, backup="ngram"),
+        SpecConfig(method="ar", draft="my-head", k=2),
         SpecConfig(method="sd", draft="my-head", k=2, draft_vocab=16),
         SpecConfig(method="sd", draft="my-head", k=2, draft_dtype="bfloat16"),
     ):

@@ -272,7 +272,10 @@ def build_eagle_parser() -> argparse.ArgumentParser:
         "own answers (a distill-data directory); resumable, checkpointed with orbax.",
     )
     p.add_argument("--target", required=True, help="registry name, .gguf file, HF or converted directory")
-    p.add_argument("--data", required=True, help="a distill-data directory made for this target")
+    p.add_argument(
+        "--data", default=None,
+        help="a distill-data directory made for this target (omit: corpus text only, --corpus-rows = --batch-size)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="run directory (head.safetensors, head.json, states)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=4, help="windows per step")
@@ -297,6 +300,13 @@ def build_eagle_parser() -> argparse.ArgumentParser:
         "--corpus-rows", type=int, default=0,
         help="rows of each batch taken from the training corpus's text instead of the target's answers",
     )  # fmt: skip
+    p.add_argument(
+        "--cached-windows", type=int, default=0,
+        help="run the target once over N windows, store its features in the run, train on them for --steps",
+    )  # fmt: skip
+    p.add_argument(
+        "--head-mlp", type=int, default=None, help="the head layer's MLP width (default: the target's)"
+    )
     p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per category (code, chat)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -310,12 +320,18 @@ def run_eagle_cli(argv) -> int:
     a = build_eagle_parser().parse_args(argv)
     if min(a.steps, a.batch_size, a.seq_len, a.depth, a.save_every) < 1 or a.lr <= 0:
         raise UserError("--steps, --batch-size, --seq-len, --depth and --save-every must be >= 1, --lr > 0")
-    if a.draft_vocab < 0 or a.prompt_weight < 0:
-        raise UserError("--draft-vocab and --prompt-weight must be >= 0")
+    if (
+        a.draft_vocab < 0
+        or a.prompt_weight < 0
+        or a.cached_windows < 0
+        or (a.head_mlp is not None and a.head_mlp < 1)
+    ):
+        raise UserError("--draft-vocab, --prompt-weight and --cached-windows must be >= 0, --head-mlp >= 1")
     s = train_head(
         a.target, a.data, a.out, steps=a.steps, batch=a.batch_size, seq_len=a.seq_len, lr=a.lr, depth=a.depth,
         layers=a.layers, seed=a.seed, save_every=a.save_every, resume=a.resume, eval_prompts=a.eval_prompts,
         vocab=a.draft_vocab or None, prompt_weight=a.prompt_weight, corpus_rows=a.corpus_rows,
+        cached_windows=a.cached_windows, head_mlp=a.head_mlp,
     )  # fmt: skip
     print(json.dumps(s) if a.json else f"head in {s['out']}: {json.dumps(s)}")
     return 0

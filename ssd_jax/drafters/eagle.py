@@ -71,8 +71,12 @@ def head_config(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(num_layers=1, forms=Forms(), weight_dtype=None)
 
 
-def init_head(cfg: ModelConfig, spec: HeadSpec, seed: int = 0, scale: float = 0.02) -> dict:
-    """Random head parameters (numpy draws from an integer seed); norms at 1."""
+def init_head(
+    cfg: ModelConfig, spec: HeadSpec, seed: int = 0, scale: float = 0.02, mlp: int | None = None
+) -> dict:
+    """Random head parameters (numpy draws from an integer seed); norms at 1. ``mlp``: the layer's
+    SwiGLU width (default the target's; a narrower one costs less per step and in training, and the
+    forward reads the width from the weights)."""
     rng = np.random.default_rng(seed)
     D, n = cfg.hidden_size, len(spec.layers)
     dt = cfg.jnp_dtype
@@ -80,8 +84,9 @@ def init_head(cfg: ModelConfig, spec: HeadSpec, seed: int = 0, scale: float = 0.
     def normal(*shape, s=scale):
         return jnp.asarray(s * rng.standard_normal(shape, dtype=np.float32), dt)
 
+    lcfg = head_config(cfg) if mlp is None else head_config(cfg).replace(intermediate_size=int(mlp))
     layer = {}
-    for name, (shape, _) in sorted(layer_specs(head_config(cfg)).items()):
+    for name, (shape, _) in sorted(layer_specs(lcfg).items()):
         layer[name] = jnp.ones(shape, dt) if name.endswith("norm") else normal(*shape)
     return {
         "fc": normal(n * D, D, s=1.0 / np.sqrt(n * D)),
@@ -265,23 +270,18 @@ def _proposal(q_lp, ids):
     return a if ids is None else ids[a]
 
 
-def head_loss(head, tparams, tokens_BxT, mask_BxT, ids=None, *, cfg: ModelConfig, spec: HeadSpec, depth: int):
-    """(mean KL over draft steps and masked positions, stats). ``mask[j]``: the weight of the draft
-    steps that predict token ``j + 1`` (1 where it is one of the target's generated tokens). ``ids``: a
-    trimmed vocabulary's kept ids; the KL is then over them (the target's mass elsewhere is a constant
-    the head cannot reach). Stats: per step the KL, the share of argmax agreement (greedy acceptance
-    of that step given the earlier ones) and ``sum min(p, q)`` (acceptance at temperature 1)."""
-    feats, p_lp = target_features(tparams, cfg, tokens_BxT, spec.layers)
-    outs = unrolled_logits(head, tparams, cfg, tokens_BxT, feats, depth, ids)
+def _step_losses(outs, p_kept, top, mask_BxT, ids):
+    """(mean KL over draft steps, stats) for the head's log-probabilities ``outs`` (per step, N wide
+    over ``ids`` or V wide) against the target's log-probabilities ``p_kept`` (B, T, same width) and its
+    greedy tokens ``top`` (B, T) at every position."""
     total, stats = 0.0, {}
     for d, q_lp in enumerate(outs):
         m = q_lp.shape[1]
-        p_full = p_lp[:, 1 + d : 1 + d + m]  # the target at position j + d + 1 predicts token j + d + 2
-        p = p_full if ids is None else jnp.take(p_full, ids, axis=-1)
+        p = p_kept[:, 1 + d : 1 + d + m]  # the target at position j + d + 1 predicts token j + d + 2
         w = mask_BxT[:, 1 + d : 1 + d + m]
         den = jnp.maximum(w.sum(), 1.0)
         kl = (jnp.exp(p) * (p - q_lp)).sum(-1)
-        agree = (jnp.argmax(p_full, -1) == _proposal(q_lp, ids)).astype(jnp.float32)
+        agree = (top[:, 1 + d : 1 + d + m] == _proposal(q_lp, ids)).astype(jnp.float32)
         overlap = jnp.minimum(jnp.exp(p), jnp.exp(q_lp)).sum(-1)
         stats[f"kl_{d + 1}"] = (kl * w).sum() / den
         stats[f"agree_{d + 1}"] = (agree * w).sum() / den
@@ -290,14 +290,51 @@ def head_loss(head, tparams, tokens_BxT, mask_BxT, ids=None, *, cfg: ModelConfig
     return total / len(outs), stats
 
 
-@functools.lru_cache(maxsize=8)
-def make_head_step(cfg: ModelConfig, spec: HeadSpec, depth: int, optimizer):
-    """One optax step: (head, opt_state, tparams, tokens, mask, kept ids or None) -> (head, opt_state,
-    loss, stats)."""
-    loss_fn = functools.partial(head_loss, cfg=cfg, spec=spec, depth=depth)
+def head_loss(head, tparams, tokens_BxT, mask_BxT, ids=None, *, cfg: ModelConfig, spec: HeadSpec, depth: int):
+    """(mean KL over draft steps and masked positions, stats). ``mask[j]``: the weight of the draft
+    steps that predict token ``j + 1`` (1 where it is one of the target's generated tokens). ``ids``: a
+    trimmed vocabulary's kept ids; the KL is then over them (the target's mass elsewhere is a constant
+    the head cannot reach). Stats: per step the KL, the share of argmax agreement (greedy acceptance
+    of that step given the earlier ones) and ``sum min(p, q)`` (acceptance at temperature 1)."""
+    feats, p_lp = target_features(tparams, cfg, tokens_BxT, spec.layers)
+    outs = unrolled_logits(head, tparams, cfg, tokens_BxT, feats, depth, ids)
+    p = p_lp if ids is None else jnp.take(p_lp, ids, axis=-1)
+    return _step_losses(outs, p, jnp.argmax(p_lp, -1), mask_BxT, ids)
 
-    def step(head, opt_state, tparams, tokens, mask, ids=None):
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, tparams, tokens, mask, ids)
+
+def cached_targets(tparams, cfg: ModelConfig, tokens_BxT, layers: tuple[int, ...]):
+    """What a cached-feature run stores per position (:mod:`ssd_jax.training.eagle_cache`): the
+    target's features at ``layers``, its normed final hidden state, the log-normaliser of its
+    next-token logits and its greedy token. The kept log-probabilities are ``kept_logits(hidden) -
+    lse``, recomputed in each step at N/V of the full head's cost."""
+    B, T = tokens_BxT.shape
+    h, _, f = llama.forward(tparams, cfg, tokens_BxT, llama.init_cache(cfg, B, T), capture=layers)
+    z = llama.logits(tparams, cfg, h)
+    return f, h, jax.nn.logsumexp(z, axis=-1), jnp.argmax(z, -1).astype(jnp.int32)
+
+
+def head_loss_cached(
+    head, tparams, tokens_BxT, feats_BxTxF, hidden_BxTxD, lse_BxT, top_BxT, mask_BxT, ids=None, *,
+    cfg: ModelConfig, depth: int,
+):  # fmt: skip
+    """:func:`head_loss` from stored target outputs (:func:`cached_targets`): the target does not run."""
+    outs = unrolled_logits(head, tparams, cfg, tokens_BxT, feats_BxTxF.astype(cfg.jnp_dtype), depth, ids)
+    h = hidden_BxTxD.astype(cfg.jnp_dtype)
+    z = llama.logits(tparams, cfg, h) if ids is None else llama.kept_logits(tparams, cfg, h, ids)
+    return _step_losses(outs, z - lse_BxT[..., None], top_BxT, mask_BxT, ids)
+
+
+@functools.lru_cache(maxsize=8)
+def make_head_step(cfg: ModelConfig, spec: HeadSpec, depth: int, optimizer, cached: bool = False):
+    """One optax step: (head, opt_state, tparams, *batch) -> (head, opt_state, loss, stats); the batch is
+    (tokens, mask, kept ids or None), or with ``cached`` (tokens, features, hidden, lse, top, mask, ids)."""
+    if cached:
+        loss_fn = functools.partial(head_loss_cached, cfg=cfg, depth=depth)
+    else:
+        loss_fn = functools.partial(head_loss, cfg=cfg, spec=spec, depth=depth)
+
+    def step(head, opt_state, tparams, *batch):
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(head, tparams, *batch)
         updates, opt_state = optimizer.update(grads, opt_state, head)
         import optax
 

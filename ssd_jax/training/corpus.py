@@ -149,11 +149,15 @@ def train_batch(stream: np.ndarray, step: int, seed: int, batch: int, seq_len: i
     """
     n = (len(stream) - 1) // seq_len
     out = np.empty((batch, seq_len + 1), np.int32)
-    for b in range(batch):
-        g = step * batch + b
-        w = int(_epoch_perm(seed, g // n, n)[g % n])
+    for b, w in enumerate(window_ids(step, seed, batch, n)):
         out[b] = stream[w * seq_len : w * seq_len + seq_len + 1]
     return out
+
+
+def window_ids(step: int, seed: int, batch: int, n: int) -> list[int]:
+    """The ``batch`` window indices (of ``n``) of ``step``: global window ``step·batch + b`` is entry
+    ``(step·batch + b) mod n`` of a permutation seeded by ``(seed, epoch)``."""
+    return [int(_epoch_perm(seed, g // n, n)[g % n]) for g in range(step * batch, step * batch + batch)]
 
 
 def eval_batches(stream: np.ndarray, batches: int, batch: int, seq_len: int) -> list[np.ndarray]:

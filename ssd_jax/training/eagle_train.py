@@ -128,12 +128,17 @@ def train_head(
     vocab: int | None = 8192,
     prompt_weight: float = 1.0,
     corpus_rows: int = 0,
+    cached_windows: int = 0,
+    head_mlp: int | None = None,
     save_every: int = 50,
     resume: bool = False,
     eval_prompts: int = 8,
     log=print,
 ) -> dict[str, Any]:
-    """Train (or ``resume``) a head for ``target_name`` on the answers in ``data``; returns the summary."""
+    """Train (or ``resume``) a head for ``target_name`` on the answers in ``data`` (None: the corpus
+    only, ``corpus_rows == batch``); returns the summary. ``cached_windows``: run the target once over
+    that many windows (:mod:`ssd_jax.training.eagle_cache`) and train on them for ``steps`` steps
+    (epochs over them) instead of running it in every step. ``head_mlp``: the layer's MLP width."""
     import jax
     import optax
     from tqdm import tqdm
@@ -148,11 +153,15 @@ def train_head(
     target = load_model(target_name, dtype="float32")
     spec = eagle.HeadSpec(tuple(layers) if layers else eagle.default_layers(target.cfg.num_layers))
     spec.validate(target.cfg)
-    dd = load_distill_data(data)
+    if data is None and corpus_rows != batch:
+        raise UserError("without --data every row is corpus text: pass --corpus-rows equal to --batch-size")
+    dd = load_distill_data(data) if data is not None else None
     run = RunDir(out)
     recipe = {"target": target_name, "target_sha256": target.weights_sha256, "layers": list(spec.layers), "depth": depth,
               "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed, "data": str(data), "steps": steps,
               "vocab": vocab, "prompt_weight": prompt_weight, "corpus_rows": corpus_rows}  # fmt: skip
+    if cached_windows or head_mlp:  # recorded only when used: older runs' recipes stay valid for --resume
+        recipe.update(cached_windows=cached_windows, head_mlp=head_mlp)
     meta_path = Path(out) / HEAD_META
     if run.has_run() or meta_path.exists():
         if not resume:
@@ -166,25 +175,44 @@ def train_head(
     meta_path.write_text(json.dumps(recipe, indent=1))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
-    head = eagle.init_head(target.cfg, spec, seed=seed)
+    head = eagle.init_head(target.cfg, spec, seed=seed, mlp=head_mlp)
     state = opt.init(head)
     start = 0
     if resume and (got := run.restore_latest(head, state)) is not None:
         start, head, state = got
         log(f"resumed at step {start}")
-    step_fn = eagle.make_head_step(target.cfg, spec, depth, opt)
+    step_fn = eagle.make_head_step(target.cfg, spec, depth, opt, cached=bool(cached_windows))
     ids = head_vocab_ids(target, vocab)
-    if not 0 <= corpus_rows < batch:
+    if not 0 <= corpus_rows <= batch or (corpus_rows == batch and dd is not None):
         raise UserError(
             f"--corpus-rows must lie in 0..{batch - 1} (the rest of the batch is the target's answers)"
         )
-    stream = corpus_stream(target, steps * corpus_rows * seq_len + 1) if corpus_rows else None
+    cache = None
+    if cached_windows:
+        cache = _feature_cache(
+            Path(out), target, spec, dd, cached_windows, batch, corpus_rows, seq_len, seed, prompt_weight, log
+        )
+        n_stream = 0
+    else:
+        n_stream = steps * corpus_rows * seq_len + 1 if corpus_rows else 0
+    stream = corpus_stream(target, n_stream) if n_stream else None
     ids_d = None if ids is None else jax.numpy.asarray(ids)
     held = held_out_sequences(target, eval_prompts, 48) if eval_prompts else None
     t0, toks_seen = time.perf_counter(), 0
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="eagle head", disable=None)
     loss = stats = None
     for s in bar:
+        if cache is not None:
+            from ssd_jax.training.corpus import window_ids
+
+            tokens, *arrays, w = cache.batch(window_ids(s, seed, batch, cache.n))
+            head, state, loss, stats = step_fn(head, state, target.params, tokens, *arrays, w, ids_d)
+            toks_seen += int((w > 0).sum())
+            _log_step(run, bar, s, loss, stats, t0)
+            if (s + 1) % save_every == 0 or s + 1 == steps:
+                run.save(s + 1, head, state)
+                save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids)
+            continue
         b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
         tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
         if stream is not None:  # corpus windows: every position scored (the target's p needs no next token)
@@ -192,10 +220,7 @@ def train_head(
             tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
         head, state, loss, stats = step_fn(head, state, target.params, tokens, w, ids_d)
         toks_seen += int((w > 0).sum())
-        if (s + 1) % 10 == 0:
-            st = {k: float(v) for k, v in stats.items()}
-            bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
-            run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
+        _log_step(run, bar, s, loss, stats, t0)
         if (s + 1) % save_every == 0 or s + 1 == steps:
             run.save(s + 1, head, state)
             save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids)
@@ -210,3 +235,34 @@ def train_head(
         meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
         save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids)
     return summary
+
+
+def _log_step(run, bar, s, loss, stats, t0) -> None:
+    if (s + 1) % 10 == 0:
+        st = {k: float(v) for k, v in stats.items()}
+        bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
+        run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
+
+
+def _feature_cache(out: Path, target, spec, dd, n, batch, corpus_rows, seq_len, seed, prompt_weight, log):
+    """The run's feature cache over ``n`` windows: the target's answers in the share of rows a batch
+    gives them, the corpus's text in the rest (every position scored)."""
+    from ssd_jax.training.distill import distill_batch
+    from ssd_jax.training.eagle_cache import FeatureCache, build_cache
+
+    n_corpus = n if dd is None else round(n * corpus_rows / batch)
+    toks, weights = [], []
+    if n - n_corpus:
+        b = distill_batch(dd, 0, seed, n - n_corpus, seq_len)
+        toks.append(b["tokens"][:, :-1])
+        weights.append(scored_positions(b, prompt_weight))
+    if n_corpus:
+        stream = corpus_stream(target, n_corpus * seq_len)
+        if len(stream) < n_corpus * seq_len:
+            raise UserError(
+                f"the corpus holds {len(stream) // seq_len} windows of {seq_len}, fewer than asked"
+            )
+        toks.append(stream[: n_corpus * seq_len].reshape(n_corpus, seq_len))
+        weights.append(np.ones((n_corpus, seq_len), np.float32))
+    path = build_cache(out, target, spec.layers, np.concatenate(toks), np.concatenate(weights), log=log)
+    return FeatureCache(path)

@@ -91,6 +91,36 @@ def draft_chain(params, cache, cur_B, key, rs, fan_BxK, *, cfg, opts: Opts):
     return toks, q, cache.with_lengths(start)
 
 
+def candidates(lg_BxK1xV, spec_tokens, spec_n, kb_BxM, rb_BxM, M: int):
+    """The branches' keys from the draft's K + 1 distributions after ``[cur, s_1..s_K]``: the top-M
+    tokens at each position, excluding ``s_{k+1}`` where it was a real proposal (a rejected proposal
+    cannot be the bonus there), picked by the layout (``kb``: accepted length, ``rb``: rank; -1 unused).
+    Returns (valid (B, M), k (B, M), t (B, M))."""
+    B, K1 = lg_BxK1xV.shape[:2]
+    K = K1 - 1
+    nxt = jnp.concatenate([spec_tokens, jnp.zeros((B, 1), spec_tokens.dtype)], axis=1)
+    excl = jnp.arange(K + 1)[None, :] < spec_n[:, None]
+    cur_val = jnp.take_along_axis(lg_BxK1xV, nxt[..., None], axis=-1)
+    lg = jnp.put_along_axis(
+        lg_BxK1xV, nxt[..., None], jnp.where(excl[..., None], -jnp.inf, cur_val), axis=-1, inplace=False
+    )
+    _, cand = jax.lax.top_k(lg, M)  # (B, K+1, M)
+    kb = jnp.clip(kb_BxM, 0, K)
+    flat = kb * M + jnp.clip(rb_BxM, 0, M - 1)
+    t0 = jnp.take_along_axis(cand.reshape(B, (K + 1) * M), flat, axis=1).astype(jnp.int32)
+    return kb_BxM >= 0, kb, t0
+
+
+def lookup(tree: Tree, n_acc_B, bonus_B):
+    """The verification outcome (k, t*) looked up in the tree: (hit (B,), the branch's tokens (B, K),
+    its q (B, K, V) or None); rows that missed get branch 0's, to be replaced."""
+    match = (tree.k == n_acc_B[:, None]) & (tree.t == bonus_B[:, None])
+    idx = jnp.argmax(match, axis=1)
+    tokens = jnp.take_along_axis(tree.tokens, idx[:, None, None], axis=1)[:, 0]
+    q = None if tree.q is None else jnp.take_along_axis(tree.q, idx[:, None, None, None], axis=1)[:, 0]
+    return match.any(axis=1), tokens, q
+
+
 def build_tree(
     params, cache, cur_B, spec_tokens, spec_n, kb_BxM, rb_BxM, fan_BxK, key, rs, *, cfg, opts: Opts
 ):
@@ -102,17 +132,7 @@ def build_tree(
     h, cache = llama.forward(params, cfg, jnp.concatenate([cur_B[:, None], spec_tokens], axis=1), cache)
     lg = align_vocab(llama.logits(params, cfg, h), opts.vocab)  # (B, K+1, V)
     # 2. candidates: top-M per position, excluding s_{k+1} where it was a real proposal
-    nxt = jnp.concatenate([spec_tokens, jnp.zeros((B, 1), spec_tokens.dtype)], axis=1)
-    excl = jnp.arange(K + 1)[None, :] < spec_n[:, None]
-    cur_val = jnp.take_along_axis(lg, nxt[..., None], axis=-1)
-    lg = jnp.put_along_axis(
-        lg, nxt[..., None], jnp.where(excl[..., None], -jnp.inf, cur_val), axis=-1, inplace=False
-    )
-    _, cand = jax.lax.top_k(lg, M)  # (B, K+1, M)
-    valid = kb_BxM >= 0
-    kb = jnp.clip(kb_BxM, 0, K)
-    flat = kb * M + jnp.clip(rb_BxM, 0, M - 1)
-    t0 = jnp.take_along_axis(cand.reshape(B, (K + 1) * M), flat, axis=1).astype(jnp.int32)
+    valid, kb, t0 = candidates(lg, spec_tokens, spec_n, kb_BxM, rb_BxM, M)
     t0 = _constrain(t0, opts)
     # 3. decode every branch K steps under the tree mask
     S = cache.max_len
@@ -184,11 +204,7 @@ def advance(
     Returns (next speculation (a Proposal with its hit flags), draft cache at the new committed lengths).
     """
     B, K = bonus_B.shape[0], opts.k
-    match = (tree.k == n_acc_B[:, None]) & (tree.t == bonus_B[:, None])
-    hit = match.any(axis=1)
-    idx = jnp.argmax(match, axis=1)
-    tokens = jnp.take_along_axis(tree.tokens, idx[:, None, None], axis=1)[:, 0]
-    q = None if tree.q is None else jnp.take_along_axis(tree.q, idx[:, None, None, None], axis=1)[:, 0]
+    hit, tokens, q = lookup(tree, n_acc_B, bonus_B)
     cache = cache.with_lengths(new_len_B)
     n_draft = jnp.full((B,), K, jnp.int32)
     if backup == "neural":

@@ -40,6 +40,18 @@ def build_method(model, spec, modes, load, trace=None):
 
             return sd.SDTwoMeshes(place(model, drafter.model, spec), modes, spec, drafter)
         return (sd.SDProfiled if spec.profile_stages else sd.SD)(model, modes, spec, drafter)
+    from ssd_jax.engine.methods.eagle import is_eagle, load_eagle
+
+    if is_eagle(spec.draft):
+        if spans or spec.profile_stages or trace:
+            from ssd_jax.errors import UserError
+
+            raise UserError(
+                "SSD with an EAGLE head runs on the target's device, one call a round (no meshes, stages or trace yet)"
+            )
+        from ssd_jax.engine.methods.eagle_ssd import SSDEagle
+
+        return SSDEagle(model, modes, spec, *load_eagle(model, spec.draft), spec.draft)
     from ssd_jax.drafters.base import check_same_tokenizer
     from ssd_jax.engine.methods.ssd import SSD
     from ssd_jax.parallel.placement import place

@@ -52,10 +52,10 @@ def eagle_spec(spec, model, batch: int):
     from ssd_jax.decoding.kauto_head import choose_head_k
     from ssd_jax.errors import UserError
 
-    if spec.method != "sd":
-        raise UserError(
-            f"an EAGLE head drafts for --method sd (method {spec.method} with a head is not built yet)"
-        )
+    if spec.method not in ("sd", "ssd"):
+        raise UserError(f"an EAGLE head drafts for --method sd or ssd, not {spec.method}")
+    if spec.method == "ssd" and spec.backup not in ("auto", "neural"):
+        raise UserError(f"SSD with an EAGLE head has the neural backup only (not --backup {spec.backup})")
     for opt, v in (("--draft-vocab", spec.draft_vocab), ("--draft-dtype", spec.draft_dtype)):
         if v not in (None, "auto"):
             raise UserError(

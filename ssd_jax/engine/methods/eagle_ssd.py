@@ -1,0 +1,162 @@
+"""SSD with an EAGLE-style head (``--method ssd --draft HEAD``) in the engine: one compiled call a round on
+the target's device (:mod:`ssd_jax.decoding.ssd.head`): the verify, the tree the head builds from its own
+features, the lookup and the neural backup. The fan-out schedule is SSD's (geometric by default, adapting
+to the acceptance seen with one slot), the hit statistics and metrics too.
+
+Both run in one program here, one after the other; the head on hardware of its own (a draft process that
+receives the target's features of each round's kept positions) is not built yet, so this measures the
+hit rate and the acceptance the tree keeps, not SSD's overlap."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ssd_jax.decoding.ssd import host as ssd_host
+from ssd_jax.decoding.ssd.head import ssd_head_programs
+from ssd_jax.decoding.ssd.rounds import META, Control
+from ssd_jax.decoding.ssd.tree import Opts
+from ssd_jax.drafters.base import Proposal
+from ssd_jax.engine.core import RoundOut
+from ssd_jax.engine.methods.eagle import SDEagle
+from ssd_jax.engine.methods.ssd import SSDRound, SSDStats
+from ssd_jax.sampling.logprobs import host_logprobs
+
+
+class SSDEagle(SDEagle):
+    name = "ssd"
+    bucketed = False
+
+    def __init__(self, model, modes, spec, head, meta, source: str):
+        super().__init__(model, modes, spec, head, meta, source)
+        self.uniform, self.M, self.est = ssd_host.fanout_setup(spec, 1)
+        self.carry_q = any(not m.greedy for m in self.modes)
+
+    def setup_draft(self, engine) -> None:
+        super().setup_draft(engine)
+        from ssd_jax.drafters import eagle
+
+        B, K, M, cfg = self.B, self.K, self.M, self.model.cfg
+        tok = self.model.tokenizer
+        self.hcache = jax.tree.map(self.put, eagle.init_head_cache(cfg, B, self.max_len + M * K))
+        self.opts = Opts(
+            k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=tok.vocab_size if tok is not None else cfg.vocab_size,
+            needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c), tree_base=self.max_len,
+        )  # fmt: skip
+        self.ctl = Control(k=K, budget=M, batch=B)
+        self.adapts = B == 1  # as SSD's: with more slots a seeded row would depend on its batch mates
+        q = None if not self.carry_q else np.full((B, K, cfg.vocab_size), -np.inf, np.float32)
+        sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
+        self.sp = jax.tree.map(self.put, sp)
+        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
+        self.meta_next = np.zeros((B, META), np.int64)
+        self.stats = SSDStats(B)
+        self._hit_pending = None
+
+    def _progs(self, mode, window=None, admission=False):
+        import dataclasses
+
+        greedy = not self.carry_q or (mode.greedy and not admission)
+        opts = dataclasses.replace(self.opts, needs_filter=mode.needs_filter and not greedy, greedy=greedy)
+        nf = mode.needs_filter and not mode.greedy  # the verify's
+        return ssd_head_programs(
+            self.model.cfg, self.layers, opts, self.ctl, nf, mode.greedy, self.window(window or self.max_len)
+        )
+
+    def _ctrl(self, live):
+        return self.put(self.ctl.pack(self.kb_tab, self.rb_tab, self.est.schedule(False)[: self.K], live))
+
+    def compile_rounds(self, windows) -> None:
+        off = np.zeros(self.B, bool)
+        for mode in self.modes:
+            for w in windows:
+                self._progs(mode, w)["round"].precompile(*self._round_args(off))
+
+    def _round_args(self, live):
+        return (self.model.params, self.tcache, self.head, self.hcache, self.pend, self.rows, self.sp,
+                self.active(live), self._ctrl(live))  # fmt: skip
+
+    def admit(self, chunks, new):
+        tok, lps = super().admit(chunks, new)
+        slots = chunks[0].slots
+        live = np.zeros(self.B, bool)
+        live[slots] = True
+        first = self._progs(self.modes[0], admission=True)["first"]
+        self.sp, self.hcache = first(
+            self.head, self.model.params, self.hcache, self.pend, self.rows, self.sp, self.put(slots),
+            self._ctrl(live),
+        )  # fmt: skip
+        self.meta_next[slots] = [0, 0, self.K, 1]
+        return tok, lps
+
+    def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
+        import dataclasses
+
+        out, self.sp, self.tcache, self.hcache, self.pend, (cur, prev, steps) = self._progs(mode, window)[
+            "round"
+        ](*self._round_args(live))
+        self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        return SSDRound("neural", self.sched, out)
+
+    def read(self, rnd: SSDRound, live, fresh) -> RoundOut:
+        K = self.K
+        out_h = np.asarray(rnd.out)
+        n_acc = out_h[:, K + 1]
+        meta_h = out_h[:, K + 2 : K + 2 + META]
+        lps = host_logprobs(out_h, K + 2 + META, K + 1)
+        meta_cur = self.meta_next.copy()
+        self._learn(rnd, live, n_acc, meta_cur, meta_h)
+        self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
+        if self.adapts:
+            self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps)
+
+    def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
+        st = self.stats
+        from_cache, hit_h = meta_cur[:, 0] > 0, meta_h[:, 0] > 0
+        for name, sel in (("hit", from_cache & lv), ("miss", ~from_cache & lv)):
+            st.tau[name][0] += int((n_acc[sel] + 1).sum())
+            st.tau[name][1] += int(sel.sum())
+        if not lv.any():
+            return
+        if self.adapts:
+            no_miss = np.zeros_like(lv)
+            self.est.observe(
+                n_acc[lv], meta_cur[lv, 2], hit_h[lv], rnd.sched[np.zeros(lv.sum(), int)], no_miss[lv]
+            )
+        st.batch_all_hit[0] += int(hit_h[lv].all())
+        st.batch_all_hit[1] += 1
+        if ((meta_h[:, 0] == 0) & (meta_h[:, 3] > 0) & lv).any():
+            st.fallback_calls["neural"] += 1
+        self._hit_pending = hit_h
+
+    def settle(self, going: np.ndarray) -> None:
+        if self._hit_pending is not None:
+            self.stats.hits += self._hit_pending & going
+            self.stats.lookups += going
+            self._hit_pending = None
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        st, est = self.stats, self.est
+        tau = {k: v[0] / v[1] if v[1] else 0.0 for k, v in st.tau.items()}
+        return {
+            **super().metrics(wall, ttft, rounds),
+            "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
+            "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
+            "tau_hit": tau["hit"],
+            "tau_miss": tau["miss"],
+            "fanout": {
+                "mode": "uniform" if self.uniform else "geometric",
+                "budget": self.M,
+                "schedule": est.schedule(False).tolist(),
+                **est.to_dict(),
+            },  # fmt: skip
+            "saguaro_c": float(self.spec.saguaro_c),
+            "backup": "neural",
+            "fallback_calls": dict(st.fallback_calls),
+            "overlap": False,
+        }
+
+    def row_metrics(self, b: int) -> dict:
+        st = self.stats
+        return {"cache_hit_rate": float(st.hits[b] / st.lookups[b]) if st.lookups[b] else 0.0}
