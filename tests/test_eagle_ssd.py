@@ -169,3 +169,34 @@ def test_cached_feature_step_equals_the_live_one(target, trimmed):
     )(head)
     np.testing.assert_allclose(float(cached), float(live), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6), cg, lg)
+
+
+def test_feature_cache_round_trips_and_is_never_half_built(target, tmp_path):
+    """The feature cache holds the target's outputs for every window (features in bfloat16), a rebuild
+    from the same windows reuses it, other windows are refused, and a killed build's directory is never
+    taken for a cache."""
+    from ssd_jax.errors import UserError
+    from ssd_jax.training.eagle_cache import CACHE_DIR, FeatureCache, build_cache
+
+    cfg = target.cfg
+    layers = eagle.default_layers(cfg.num_layers)
+    rng = np.random.default_rng(3)
+    toks = rng.integers(2, cfg.vocab_size, (5, 16)).astype(np.int32)
+    w = (rng.random((5, 16)) < 0.8).astype(np.float32)
+    (tmp_path / f"{CACHE_DIR}.tmp-1").mkdir()  # a killed build
+    path = build_cache(tmp_path, target, layers, toks, w, chunk=2, log=lambda m: None)
+    assert not list(tmp_path.glob(f"{CACHE_DIR}.tmp-*"))
+    cache = FeatureCache(path)
+    t, f, h, lse, top, ww = cache.batch([3, 1])
+    f_ref, h_ref, lse_ref, top_ref = eagle.cached_targets(
+        target.params, cfg, jnp.asarray(toks[[1, 3]]), layers
+    )
+    np.testing.assert_array_equal(t, toks[[1, 3]])
+    np.testing.assert_array_equal(ww, w[[1, 3]])
+    np.testing.assert_array_equal(top, np.asarray(top_ref))
+    np.testing.assert_allclose(lse, np.asarray(lse_ref), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(f, np.float32), np.asarray(f_ref), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref), rtol=1e-2, atol=1e-2)
+    assert build_cache(tmp_path, target, layers, toks, w) == path  # the same windows: reused
+    with pytest.raises(UserError, match="other windows"):
+        build_cache(tmp_path, target, layers, toks[:4], w[:4])

@@ -331,7 +331,7 @@ def run_eagle_cli(argv) -> int:
         a.target, a.data, a.out, steps=a.steps, batch=a.batch_size, seq_len=a.seq_len, lr=a.lr, depth=a.depth,
         layers=a.layers, seed=a.seed, save_every=a.save_every, resume=a.resume, eval_prompts=a.eval_prompts,
         vocab=a.draft_vocab or None, prompt_weight=a.prompt_weight, corpus_rows=a.corpus_rows,
-        cached_windows=a.cached_windows, head_mlp=a.head_mlp,
+        cached_windows=a.cached_windows, head_mlp=a.head_mlp, save_dtype=a.save_dtype,
     )  # fmt: skip
     print(json.dumps(s) if a.json else f"head in {s['out']}: {json.dumps(s)}")
     return 0

@@ -189,12 +189,19 @@ def unflat_head(flat: dict[str, np.ndarray]) -> dict:
     return head
 
 
-def save_head(path: Path, head, meta: dict[str, Any], vocab_ids=None) -> None:
+def save_head(path: Path, head, meta: dict[str, Any], vocab_ids=None, dtype: str | None = None) -> None:
     """``head.safetensors`` (weights, the kept ids of a trimmed vocabulary, the meta as its metadata)
-    written to a temporary name and renamed."""
+    written to a temporary name and renamed. ``dtype="bfloat16"`` stores the weights at half the bytes
+    (a loaded head runs in the target's dtype)."""
     from safetensors.numpy import save_file
 
     flat = flat_head(head)
+    if dtype is not None:
+        import ml_dtypes
+
+        dt = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
+        flat = {k: v.astype(dt) if np.issubdtype(v.dtype, np.floating) or v.dtype == ml_dtypes.bfloat16 else v
+                for k, v in flat.items()}  # fmt: skip
     if vocab_ids is not None:
         flat["vocab_ids"] = np.asarray(vocab_ids, np.int32)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

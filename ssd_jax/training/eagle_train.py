@@ -130,6 +130,7 @@ def train_head(
     corpus_rows: int = 0,
     cached_windows: int = 0,
     head_mlp: int | None = None,
+    save_dtype: str | None = None,
     save_every: int = 50,
     resume: bool = False,
     eval_prompts: int = 8,
@@ -211,7 +212,9 @@ def train_head(
             _log_step(run, bar, s, loss, stats, t0)
             if (s + 1) % save_every == 0 or s + 1 == steps:
                 run.save(s + 1, head, state)
-                save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids)
+                save_head(
+                    Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids, dtype=save_dtype
+                )
             continue
         b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
         tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
@@ -223,7 +226,9 @@ def train_head(
         _log_step(run, bar, s, loss, stats, t0)
         if (s + 1) % save_every == 0 or s + 1 == steps:
             run.save(s + 1, head, state)
-            save_head(Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids)
+            save_head(
+                Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids, dtype=save_dtype
+            )
     summary = {"out": out, "steps": steps, "train_s": time.perf_counter() - t0, "scored_tokens": toks_seen,
                "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
     if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
@@ -233,7 +238,7 @@ def train_head(
         summary["held_out"] = ev
         run.append_log({"eval": ev, "step": steps})
         meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
-        save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids)
+        save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids, dtype=save_dtype)
     return summary
 
 

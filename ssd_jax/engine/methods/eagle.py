@@ -76,6 +76,10 @@ def load_eagle(model, draft: str):
     from ssd_jax.errors import UserError
 
     head, meta = eagle.load_head(eagle_source(draft))
+    dt = model.cfg.jnp_dtype  # a head stored in bfloat16 runs in the target's dtype
+    head = jax.tree.map(
+        lambda x: x.astype(dt) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, head
+    )
     spec = eagle.HeadSpec(tuple(int(i) for i in meta["layers"]))
     spec.validate(model.cfg)
     if meta.get("target_sha256") not in (None, model.weights_sha256):
