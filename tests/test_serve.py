@@ -120,6 +120,18 @@ class _Servers:
             "--context-buckets",
             "1",
         ],  # fmt: skip
+        "ssd-eagle": [
+            "--method",
+            "ssd",
+            "--draft",
+            "{head}",
+            "--k",
+            "2",
+            "--max-batch",
+            "2",
+            "--context-buckets",
+            "1",
+        ],
         "ssd": [
             "--method",
             "ssd",
@@ -158,7 +170,7 @@ class _Servers:
 
     def __getitem__(self, name):
         if name not in self.started:
-            head = self.head() if name == "eagle" else ""
+            head = self.head() if name in ("eagle", "ssd-eagle") else ""
             flags = [f.format(draft=self.draft, head=head) for f in self.FLAGS[name]]
             self.started[name] = start(self.target, *SERVER_FLAGS, *flags, devices=2 if name == "ssd" else 1)
         return self.started[name][1]
@@ -187,7 +199,7 @@ def servers(pair, tmp_path_factory):
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
     for name, (_, err) in errs.items():
-        assert ("windows=160" if name in ("sd", "eagle") else "windows=80,160") in err
+        assert ("windows=160" if name in ("sd", "eagle", "ssd-eagle") else "windows=80,160") in err
     if "eagle" in errs:  # K auto: the default 4 for a head with no stored curve (the tiny pair's random one)
         k = " k=4" if str(s.target).startswith("/") else " k="
         assert k in errs["eagle"][1] and "kv=contiguous" in errs["eagle"][1], errs["eagle"][1][-2000:]
@@ -281,10 +293,11 @@ def test_openai_client_matches_offline(servers, offline):
         "eagle",
         pytest.param("ssd", marks=pytest.mark.slow),
         pytest.param("ngram", marks=pytest.mark.slow),
+        pytest.param("ssd-eagle", marks=pytest.mark.slow),
     ],
 )
 def test_sd_servers_match_offline_and_count(servers, offline, method):
-    """SD (draft model / n-gram / an EAGLE head) and SSD greedy outputs equal offline AR, streamed or not;
+    """SD (draft model / n-gram / an EAGLE head) and SSD (draft model / head) greedy outputs equal offline AR, streamed or not;
     spec counters add up, SSD's cache lookups too (one per running row per round that goes on)."""
     url = servers[method]
     c = client(url)
@@ -325,7 +338,7 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     # (the last round of a request may emit more than its max_tokens leave: those are dropped)
     n_req, gen = 7, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
-    if method == "ssd":
+    if method in ("ssd", "ssd-eagle"):
         assert drafted == 2 * drafts  # K = 2 proposals every round: from the cache or the backup
         lookups, hits = (
             d["ssd_jax:spec_decode_num_cache_lookups_total"],

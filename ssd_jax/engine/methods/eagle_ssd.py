@@ -52,6 +52,7 @@ class SSDEagle(SDEagle):
         self.meta_next = np.zeros((B, META), np.int64)
         self.stats = SSDStats(B)
         self._hit_pending = None
+        self.prom = engine.metrics  # the server's Prometheus metrics, if any
 
     def _progs(self, mode, window=None, admission=False):
         import dataclasses
@@ -134,6 +135,8 @@ class SSDEagle(SDEagle):
         if self._hit_pending is not None:
             self.stats.hits += self._hit_pending & going
             self.stats.lookups += going
+            if self.prom is not None:
+                self.prom.cache_lookup(int(going.sum()), int((self._hit_pending & going).sum()))
             self._hit_pending = None
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
@@ -156,6 +159,10 @@ class SSDEagle(SDEagle):
             "fallback_calls": dict(st.fallback_calls),
             "overlap": False,
         }
+
+    def bucket_note(self) -> str:
+        """The server's start-up line: SSD with a head runs every slot each round (no AR buckets)."""
+        return " head=on-target-device"
 
     def row_metrics(self, b: int) -> dict:
         st = self.stats
