@@ -312,15 +312,23 @@ def test_scored_positions_weigh_prompts_and_skip_padding():
 
 
 @pytest.mark.slow
-def test_shipped_head_keeps_its_acceptance():
-    """Regression guard on the shipped SmolLM2 head: its teacher-forced first-proposal acceptance on
-    held-out benchmark prompts (code and chat, chat template, the target's greedy answers) stays >= 0.3."""
+# the Qwen head measures 0.30 ± 0.04 itself (docs/eagle.md): its guard sits below that, not at 0.3
+@pytest.mark.parametrize(
+    "target_name,head_name,floor",
+    [
+        ("smollm2-135m-instruct", "smollm2-135m-eagle", 0.3),
+        ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-eagle", 0.2),
+    ],
+)
+def test_shipped_head_keeps_its_acceptance(target_name, head_name, floor):
+    """Regression guard on the shipped heads: the teacher-forced first-proposal acceptance on held-out
+    benchmark prompts (code and chat, chat template, the target's greedy answers) stays >= ``floor``."""
     from ssd_jax import load_model
     from ssd_jax.engine.methods.eagle import load_eagle
     from ssd_jax.training.eagle_train import evaluate_head, held_out_sequences
 
-    target = load_model("smollm2-135m-instruct", dtype="float32")
-    head, meta = load_eagle(target, "smollm2-135m-eagle")
+    target = load_model(target_name, dtype="float32")
+    head, meta = load_eagle(target, head_name)
     toks, mask = held_out_sequences(target, 4, 32)
     ev = evaluate_head(head, target, eagle.HeadSpec(tuple(meta["layers"])), toks, mask, k=4)
-    assert ev["alpha_1"] >= 0.3, ev
+    assert ev["alpha_1"] >= floor, ev

@@ -20,14 +20,15 @@ import json
 import os
 
 
-def head_counts(cfg, vocab: int, n_layers_read: int = 3) -> dict:
+def head_counts(cfg, vocab: int, n_layers_read: int = 3, mlp: int | None = None) -> dict:
     import numpy as np
 
     from ssd_jax.drafters.eagle import head_config
     from ssd_jax.models.params import layer_specs
 
     D = cfg.hidden_size
-    layer = sum(int(np.prod(s)) for s, _ in layer_specs(head_config(cfg)).values())
+    lcfg = head_config(cfg) if mlp is None else head_config(cfg).replace(intermediate_size=mlp)
+    layer = sum(int(np.prod(s)) for s, _ in layer_specs(lcfg).values())
     fc, w_in = n_layers_read * D * D, 2 * D * D
     return {
         "trained": layer + fc + w_in + 3 * D,
@@ -54,6 +55,10 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
     ap.add_argument("--vocab", type=int, default=8192, help="the head's kept LM head rows")
     ap.add_argument("--alpha", action="append", default=[], help="TARGET:LABEL=ACCEPTANCE_JSON (repeatable)")
+    ap.add_argument(
+        "--mlp", action="append", default=[],
+        help="TARGET=W: the head's MLP width for that target (default the target's; the shipped Qwen head: 3072)",
+    )  # fmt: skip
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -65,7 +70,9 @@ def main() -> None:
         cfg = _config_of(t)
         M = model_params(t)["total"]
         n_opt = sdsl.n_opt(M)
-        h = head_counts(cfg, a.vocab)
+        mlp = {k: int(v) for k, _, v in (m.partition("=") for m in a.mlp)}.get(t)
+        h = head_counts(cfg, a.vocab, mlp=mlp)
+        h["mlp"] = mlp or cfg.intermediate_size
         row = {"target": t, "M": M, "n_opt": n_opt, "head": h, "measured": {}}
         for spec in a.alpha:
             tgt, _, rest = spec.partition(":")
@@ -75,6 +82,8 @@ def main() -> None:
             m = measured_alpha(path)
             # the reads that stand for N in the law: the head's step (fc amortised over K), or the draft's
             n = h["reads_per_step"] + h["reads_fc_per_round"] / m["k"] if label == "head" else None
+            if n is None and t != "smollm2-135m-instruct":
+                continue  # the draft model's reads are known for SmolLM2's shipped draft only
             if n is None:
                 n = (
                     10.62e6 + a.vocab * cfg.hidden_size

@@ -60,7 +60,7 @@ SHAREABLE = ("embed", "lm_head")
 #: drafts that ship in the repository's ``checkpoints/`` folder (named in errors when absent)
 SHIPPED_DRAFTS = ("smollm2-135m-draft",)
 #: EAGLE-style heads that ship there (``checkpoints/<name>/head.safetensors``; ssd_jax.drafters.eagle)
-SHIPPED_HEADS = ("smollm2-135m-eagle",)
+SHIPPED_HEADS = ("smollm2-135m-eagle", "qwen2.5-coder-1.5b-eagle")
 CHECKPOINTS_ENV = "SSD_JAX_CHECKPOINTS"
 
 
