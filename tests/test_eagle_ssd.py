@@ -204,3 +204,14 @@ def test_feature_cache_round_trips_and_is_never_half_built(target, tmp_path):
     assert build_cache(tmp_path, target, layers, toks, w) == path  # the same windows: reused
     with pytest.raises(UserError, match="other windows"):
         build_cache(tmp_path, target, layers, toks[:4], w[:4])
+
+
+def test_eagle_cli_takes_the_cache_and_head_options():
+    """``python -m ssd_jax.train eagle`` parses the options ``make eagle-qwen`` passes."""
+    from ssd_jax.cli.train import build_eagle_parser
+
+    a = build_eagle_parser().parse_args(
+        ["--target", "t", "--out", "o", "--corpus-rows", "4", "--cached-windows", "384", "--head-mlp", "3072",
+         "--save-dtype", "bfloat16"]
+    )  # fmt: skip
+    assert (a.data, a.cached_windows, a.head_mlp, a.save_dtype) == (None, 384, 3072, "bfloat16")

@@ -307,6 +307,10 @@ def build_eagle_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--head-mlp", type=int, default=None, help="the head layer's MLP width (default: the target's)"
     )
+    p.add_argument(
+        "--save-dtype", choices=("float32", "bfloat16"), default=None,
+        help="dtype of the weights in head.safetensors (training states stay float32)",
+    )  # fmt: skip
     p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per category (code, chat)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")

@@ -203,27 +203,25 @@ def train_head(
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="eagle head", disable=None)
     loss = stats = None
     for s in bar:
-        if cache is not None:
+        if cache is not None:  # (tokens, features, hidden, lse, top, weights) from the stored outputs
             from ssd_jax.training.corpus import window_ids
 
-            tokens, *arrays, w = cache.batch(window_ids(s, seed, batch, cache.n))
-            head, state, loss, stats = step_fn(head, state, target.params, tokens, *arrays, w, ids_d)
-            toks_seen += int((w > 0).sum())
-            _log_step(run, bar, s, loss, stats, t0)
-            if (s + 1) % save_every == 0 or s + 1 == steps:
-                run.save(s + 1, head, state)
-                save_head(
-                    Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids, dtype=save_dtype
-                )
-            continue
-        b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
-        tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
-        if stream is not None:  # corpus windows: every position scored (the target's p needs no next token)
-            c = train_batch(stream, s, seed, corpus_rows, seq_len)[:, :-1]
-            tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
-        head, state, loss, stats = step_fn(head, state, target.params, tokens, w, ids_d)
-        toks_seen += int((w > 0).sum())
-        _log_step(run, bar, s, loss, stats, t0)
+            args = cache.batch(window_ids(s, seed, batch, cache.n))
+        else:
+            b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
+            tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
+            if (
+                stream is not None
+            ):  # corpus windows: every position scored (the target's p needs no next token)
+                c = train_batch(stream, s, seed, corpus_rows, seq_len)[:, :-1]
+                tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
+            args = (tokens, w)
+        head, state, loss, stats = step_fn(head, state, target.params, *args, ids_d)
+        toks_seen += int((args[-1] > 0).sum())
+        if (s + 1) % 10 == 0:
+            st = {k: float(v) for k, v in stats.items()}
+            bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
+            run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
         if (s + 1) % save_every == 0 or s + 1 == steps:
             run.save(s + 1, head, state)
             save_head(
@@ -240,13 +238,6 @@ def train_head(
         meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
         save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids, dtype=save_dtype)
     return summary
-
-
-def _log_step(run, bar, s, loss, stats, t0) -> None:
-    if (s + 1) % 10 == 0:
-        st = {k: float(v) for k, v in stats.items()}
-        bar.set_postfix(loss=f"{float(loss):.3f}", agree1=f"{st['agree_1']:.2f}")
-        run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
 
 
 def _feature_cache(out: Path, target, spec, dd, n, batch, corpus_rows, seq_len, seed, prompt_weight, log):

@@ -96,6 +96,7 @@ class SDEagle(Method):
     name = "sd"
     speculates = True
     bucketed = True
+    tree_slots = 0  # head-cache slots past the context (SSD's tree region)
 
     def __init__(self, model, modes, spec, head, meta, source: str):
         super().__init__(model, modes)
@@ -107,7 +108,9 @@ class SDEagle(Method):
     def setup_draft(self, engine) -> None:
         cfg = self.model.cfg
         self.head = jax.tree.map(self.put, eagle.attach_vocab(self.head_h, self.model.params, cfg))
-        self.hcache = jax.tree.map(self.put, eagle.init_head_cache(cfg, self.B, self.max_len))
+        self.hcache = jax.tree.map(
+            self.put, eagle.init_head_cache(cfg, self.B, self.max_len + self.tree_slots)
+        )
         width = len(self.layers) * cfg.hidden_size
         self.pend = jax.tree.map(self.put, Pending.empty(self.B, self.K + 1, width, cfg.jnp_dtype))
         self._full = np.full(self.B, self.K, np.int32)

@@ -30,15 +30,13 @@ class SSDEagle(SDEagle):
     def __init__(self, model, modes, spec, head, meta, source: str):
         super().__init__(model, modes, spec, head, meta, source)
         self.uniform, self.M, self.est = ssd_host.fanout_setup(spec, 1)
+        self.tree_slots = self.M * self.K  # the tree region of the head's cache
         self.carry_q = any(not m.greedy for m in self.modes)
 
     def setup_draft(self, engine) -> None:
         super().setup_draft(engine)
-        from ssd_jax.drafters import eagle
-
         B, K, M, cfg = self.B, self.K, self.M, self.model.cfg
         tok = self.model.tokenizer
-        self.hcache = jax.tree.map(self.put, eagle.init_head_cache(cfg, B, self.max_len + M * K))
         self.opts = Opts(
             k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=tok.vocab_size if tok is not None else cfg.vocab_size,
             needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c), tree_base=self.max_len,
