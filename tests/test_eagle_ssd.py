@@ -215,3 +215,28 @@ def test_eagle_cli_takes_the_cache_and_head_options():
          "--save-dtype", "bfloat16"]
     )  # fmt: skip
     assert (a.data, a.cached_windows, a.head_mlp, a.save_dtype) == (None, 384, 3072, "bfloat16")
+    b = build_eagle_parser().parse_args(["--target", "t", "--out", "o", "--init", "qwen2.5-coder-1.5b-eagle"])
+    assert (a.init, b.init) == (None, "qwen2.5-coder-1.5b-eagle")
+
+
+def test_warm_start_takes_a_trained_heads_weights_or_refuses(target, tmp_path):
+    """``--init HEAD`` starts training from a trained head's weights (exactly, as float32); a head of
+    another MLP width, other layers or another kept vocabulary is refused in one line."""
+    from ssd_jax.errors import UserError
+    from ssd_jax.training.eagle_train import warm_start
+
+    cfg = target.cfg
+    spec = eagle.HeadSpec(eagle.default_layers(cfg.num_layers))
+    trained = eagle.init_head(cfg, spec, seed=7, mlp=32)
+    ids = np.arange(0, cfg.vocab_size, 2, dtype=np.int32)
+    src = _saved_head(tmp_path, target, trained, spec, vocab_ids=ids)[len("eagle:") :]
+    start, rec = warm_start(eagle.init_head(cfg, spec, seed=0, mlp=32), src, target, spec, ids)
+    jax.tree.map(np.testing.assert_array_equal, start, trained)
+    assert rec["from"] == src and len(rec["sha256"]) == 64
+    with pytest.raises(UserError, match="shapes differ"):
+        warm_start(eagle.init_head(cfg, spec), src, target, spec, ids)
+    with pytest.raises(UserError, match="vocabulary differs"):
+        warm_start(eagle.init_head(cfg, spec, mlp=32), src, target, spec, None)
+    other = eagle.HeadSpec(tuple(x for x in range(cfg.num_layers) if x not in spec.layers)[:2] or (0,))
+    with pytest.raises(UserError, match="reads layers"):
+        warm_start(eagle.init_head(cfg, other, mlp=32), src, target, other, ids)

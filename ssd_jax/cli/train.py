@@ -311,6 +311,10 @@ def build_eagle_parser() -> argparse.ArgumentParser:
         "--save-dtype", choices=("float32", "bfloat16"), default=None,
         help="dtype of the weights in head.safetensors (training states stay float32)",
     )  # fmt: skip
+    p.add_argument(
+        "--init", default=None, metavar="HEAD",
+        help="start from a trained head (shipped name or directory) of the same shape instead of random weights",
+    )  # fmt: skip
     p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per category (code, chat)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -335,7 +339,7 @@ def run_eagle_cli(argv) -> int:
         a.target, a.data, a.out, steps=a.steps, batch=a.batch_size, seq_len=a.seq_len, lr=a.lr, depth=a.depth,
         layers=a.layers, seed=a.seed, save_every=a.save_every, resume=a.resume, eval_prompts=a.eval_prompts,
         vocab=a.draft_vocab or None, prompt_weight=a.prompt_weight, corpus_rows=a.corpus_rows,
-        cached_windows=a.cached_windows, head_mlp=a.head_mlp, save_dtype=a.save_dtype,
+        cached_windows=a.cached_windows, head_mlp=a.head_mlp, save_dtype=a.save_dtype, init=a.init,
     )  # fmt: skip
     print(json.dumps(s) if a.json else f"head in {s['out']}: {json.dumps(s)}")
     return 0

@@ -131,6 +131,7 @@ def train_head(
     cached_windows: int = 0,
     head_mlp: int | None = None,
     save_dtype: str | None = None,
+    init: str | None = None,
     save_every: int = 50,
     resume: bool = False,
     eval_prompts: int = 8,
@@ -139,7 +140,8 @@ def train_head(
     """Train (or ``resume``) a head for ``target_name`` on the answers in ``data`` (None: the corpus
     only, ``corpus_rows == batch``); returns the summary. ``cached_windows``: run the target once over
     that many windows (:mod:`ssd_jax.training.eagle_cache`) and train on them for ``steps`` steps
-    (epochs over them) instead of running it in every step. ``head_mlp``: the layer's MLP width."""
+    (epochs over them) instead of running it in every step. ``head_mlp``: the layer's MLP width.
+    ``init``: start from a trained head (a shipped name or a directory) instead of random weights."""
     import jax
     import optax
     from tqdm import tqdm
@@ -163,6 +165,10 @@ def train_head(
               "vocab": vocab, "prompt_weight": prompt_weight, "corpus_rows": corpus_rows}  # fmt: skip
     if cached_windows or head_mlp:  # recorded only when used: older runs' recipes stay valid for --resume
         recipe.update(cached_windows=cached_windows, head_mlp=head_mlp)
+    ids = head_vocab_ids(target, vocab)
+    head = eagle.init_head(target.cfg, spec, seed=seed, mlp=head_mlp)
+    if init is not None:
+        head, recipe["init"] = warm_start(head, init, target, spec, ids)
     meta_path = Path(out) / HEAD_META
     if run.has_run() or meta_path.exists():
         if not resume:
@@ -176,14 +182,12 @@ def train_head(
     meta_path.write_text(json.dumps(recipe, indent=1))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
-    head = eagle.init_head(target.cfg, spec, seed=seed, mlp=head_mlp)
     state = opt.init(head)
     start = 0
     if resume and (got := run.restore_latest(head, state)) is not None:
         start, head, state = got
         log(f"resumed at step {start}")
     step_fn = eagle.make_head_step(target.cfg, spec, depth, opt, cached=bool(cached_windows))
-    ids = head_vocab_ids(target, vocab)
     if not 0 <= corpus_rows <= batch or (corpus_rows == batch and dd is not None):
         raise UserError(
             f"--corpus-rows must lie in 0..{batch - 1} (the rest of the batch is the target's answers)"
@@ -238,6 +242,37 @@ def train_head(
         meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
         save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids, dtype=save_dtype)
     return summary
+
+
+def warm_start(head, src: str, target, spec, ids) -> tuple[dict, dict[str, Any]]:
+    """``head``'s parameters replaced by those of the trained head ``src`` (a shipped name or a
+    directory), and what the recipe records of it. It must have been trained for this target with the
+    same layers, kept vocabulary and shapes (``--head-mlp``); anything else is refused in one line."""
+    import hashlib
+
+    import jax
+
+    from ssd_jax.drafters import eagle
+    from ssd_jax.loading.draft import resolve_head
+
+    path = resolve_head(src) or Path(src)
+    got, meta = eagle.load_head(path)
+    kept = got.pop("vocab_ids", None)
+    why = None
+    if meta.get("target_sha256") not in (None, target.weights_sha256):
+        why = "it was trained for another target"
+    elif list(meta["layers"]) != list(spec.layers):
+        why = f"it reads layers {meta['layers']}, not {list(spec.layers)}"
+    elif (kept is None) != (ids is None) or (ids is not None and not np.array_equal(np.asarray(kept), ids)):
+        why = "its vocabulary differs (--draft-vocab)"
+    elif jax.tree.map(np.shape, got) != jax.tree.map(np.shape, head):
+        why = "its shapes differ (--head-mlp)"
+    if why:
+        raise UserError(f"--init {src}: {why}")
+    weights = Path(path) / HEAD_WEIGHTS if Path(path).is_dir() else Path(path)
+    sha = hashlib.sha256(weights.read_bytes()).hexdigest()
+    start = jax.tree.map(lambda a, b: jax.numpy.asarray(b, a.dtype), head, got)
+    return start, {"from": str(src), "sha256": sha, "step": meta.get("step")}
 
 
 def _feature_cache(out: Path, target, spec, dd, n, batch, corpus_rows, seq_len, seed, prompt_weight, log):
