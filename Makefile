@@ -5,7 +5,8 @@
 #   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
 #   make draft    rebuilds the SmolLM2 draft from scratch by self-distillation (hours on a CPU; rerun to resume)
 #   make eagle    trains an EAGLE-style head for SmolLM2 (its own answers and corpus text; rerun to resume)
-#   make eagle-qwen  trains the Qwen2.5-Coder-1.5B head from cached target features (rerun to resume)
+#   make eagle-qwen  trains the Qwen2.5-Coder-1.5B head from cached target features, corpus then its own answers
+#                 (rerun to resume)
 #   make sdsl-validate  trains drafts of 5 sizes x 2 seeds on the same distill data and measures them under the
 #                 benchmark protocol (many CPU hours; rerun to resume)
 PYTHON ?= python3
@@ -82,15 +83,23 @@ eagle: $(STAMP)
 		--seq-len 256 --lr 1e-3 --depth 4 --corpus-rows 2 --draft-vocab 8192 --save-every 50 --out $(EAGLE_OUT) \
 		--resume $(EAGLE_ARGS)
 
-# the Qwen2.5-Coder-1.5B head (checkpoints/qwen2.5-coder-1.5b-eagle): the target runs once over 384 windows of
-# the training corpus's text (its features cached in the run; running it in every step would take ~8 h here),
-# then 320 steps over them; MLP 3072 wide, depth 3, LM head trimmed to 8192 tokens, stored in bfloat16. Resumes.
+# the Qwen2.5-Coder-1.5B head (checkpoints/qwen2.5-coder-1.5b-eagle), in two stages, each from cached target
+# features (running the target in every step would take ~8 h here): (1) 320 steps over 384 windows of the training
+# corpus's text; (2) from (1), 192 steps over the target's greedy answers to 256 training prompts (its own
+# data run, ~28 min). MLP 3072 wide, depth 3, LM head trimmed to 8192 tokens, stored in bfloat16. Resumes.
 EAGLE_QWEN_OUT ?= runs/qwen-coder-1.5b-eagle
+EAGLE_QWEN_PROMPTS ?= 256
+EAGLE_QWEN_DATA ?= runs/distill-qwen2.5-coder-1.5b-instruct-t0-$(EAGLE_QWEN_PROMPTS)
+EAGLE_QWEN_HEAD := --target qwen2.5-coder-1.5b-instruct --batch-size 4 --seq-len 256 --head-mlp 3072 --depth 3 \
+	--draft-vocab 8192 --save-every 40 --save-dtype bfloat16 --resume
 
 eagle-qwen: $(STAMP)
-	$(PY) -m ssd_jax.train eagle --target qwen2.5-coder-1.5b-instruct --steps 320 --batch-size 4 --seq-len 256 \
-		--corpus-rows 4 --cached-windows 384 --head-mlp 3072 --depth 3 --lr 1e-3 --draft-vocab 8192 \
-		--save-every 40 --save-dtype bfloat16 --out $(EAGLE_QWEN_OUT) --resume $(EAGLE_ARGS)
+	$(PY) -m ssd_jax.train eagle $(EAGLE_QWEN_HEAD) --steps 320 --corpus-rows 4 --cached-windows 384 --lr 1e-3 \
+		--out $(EAGLE_QWEN_OUT)-corpus $(EAGLE_ARGS)
+	$(MAKE) distill-data DRAFT_TARGET=qwen2.5-coder-1.5b-instruct DISTILL_PROMPTS=$(EAGLE_QWEN_PROMPTS) \
+		DISTILL_TEMPS=0 DISTILL_DATA=$(EAGLE_QWEN_DATA)
+	$(PY) -m ssd_jax.train eagle $(EAGLE_QWEN_HEAD) --steps 192 --data $(EAGLE_QWEN_DATA) --cached-windows 256 \
+		--lr 5e-4 --init $(EAGLE_QWEN_OUT)-corpus --out $(EAGLE_QWEN_OUT) $(EAGLE_ARGS)
 
 # SDSL validation (issue 14): the law's depth x 1/3, 2/3, 1, 4/3, 2 (SmolLM2: 1, 2, 3, 4, 6 layers), seeds 0 and 1,
 # the draft recipe above with SDSL_STEPS steps each (runs in SDSL_RUNS; finished runs are skipped), then AR and
