@@ -21,6 +21,9 @@ from ssd_jax.drafters import eagle
 from ssd_jax.models import llama
 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+# jitted: op by op, every primitive would compile on its own (most of the tree test's time)
+_fwd = jax.jit(eagle.head_forward, static_argnums=2, static_argnames="own")
+_logits = jax.jit(eagle.head_logits, static_argnums=2)
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +34,18 @@ def target():
 def _greedy_branch(head, tp, cfg, hc, pend, spec_tokens, k, t, K):
     """The reference: the head over the pending pairs, its own features over s_1..s_k, then K greedy
     steps from (its feature at s_k, t), one call per step at the natural positions."""
-    _, g, hc = eagle.head_forward(head, tp, cfg, pend.tok, pend.feat, hc, own=False)
+    _, g, hc = _fwd(head, tp, cfg, pend.tok, pend.feat, hc, own=False)
     L = hc.lengths + pend.n
     gk = g[:, int(pend.n[0]) - 1]
     for d in range(k):
-        _, g, hc = eagle.head_forward(
+        _, g, hc = _fwd(
             head, tp, cfg, spec_tokens[:, d : d + 1], gk[:, None], hc.with_lengths(L + d), own=True
         )
         gk = g[:, 0]
     tok, out = jnp.asarray([t], jnp.int32), []
     for d in range(K):
-        h, g, hc = eagle.head_forward(
-            head, tp, cfg, tok[:, None], gk[:, None], hc.with_lengths(L + k + d), own=True
-        )
-        tok, gk = jnp.argmax(eagle.head_logits(head, tp, cfg, h[:, 0]), -1).astype(jnp.int32), g[:, 0]
+        h, g, hc = _fwd(head, tp, cfg, tok[:, None], gk[:, None], hc.with_lengths(L + k + d), own=True)
+        tok, gk = jnp.argmax(_logits(head, tp, cfg, h[:, 0]), -1).astype(jnp.int32), g[:, 0]
         out.append(int(tok[0]))
     return out
 
@@ -62,7 +63,7 @@ def test_tree_branches_are_the_heads_own_drafts(target):
     toks = jnp.asarray(rng.integers(2, cfg.vocab_size, (1, 9)), jnp.int32)
     _, _, feats = llama.forward(tp, cfg, toks, llama.init_cache(cfg, 1, 9), capture=spec.layers)
     hc0 = eagle.init_head_cache(cfg, 1, max_len + M * K)
-    _, _, hc0 = eagle.head_forward(head, tp, cfg, toks[:, 1:7], feats[:, :6], hc0, own=False)
+    _, _, hc0 = _fwd(head, tp, cfg, toks[:, 1:7], feats[:, :6], hc0, own=False)
     hc0 = hc0.with_lengths(jnp.asarray([6], jnp.int32))
     pend = Pending(toks[:, 7:9], feats[:, 6:8], jnp.asarray([2], jnp.int32))
     spec_tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, (1, K)), jnp.int32)
@@ -74,7 +75,7 @@ def test_tree_branches_are_the_heads_own_drafts(target):
 
     rs = RowSampling(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32), np.zeros(1, np.int32),
                      np.full((1, 1), -1, np.int32), np.zeros(1, bool))  # fmt: skip
-    tree, hc = head_tree(
+    tree, hc = jax.jit(head_tree, static_argnames=("cfg", "opts"))(
         head, tp, hc0, pend, spec_tokens, jnp.asarray([K], jnp.int32), kb, rb, jnp.full((1, K), 2, jnp.int32),
         jax.random.key(0), rs, cfg=cfg, opts=opts,
     )  # fmt: skip

@@ -9,12 +9,16 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from ssd_jax.bench import protocol
 from ssd_jax.cli.launch import process_env
 
 # the child: the protocol's prompts replaced by token ids (the tiny checkpoints have no tokenizer)
 CHILD = """
 import sys
+
+import pytest
 from ssd_jax.bench import protocol
 protocol.category_prompts = lambda c, n: [
     {"id": f"{c}{i}", "prompt": [3 + i, 9, 11, 3 + i, 9]} for i in range(n)]
@@ -29,6 +33,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # default-suite budget: two-process SSD's exactness runs in test_launch_pinning
 def test_fair_protocol_two_processes(tmp_path, tiny_llama_path, tiny_llama_draft_path):
     args = [
         "--suite",

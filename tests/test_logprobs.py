@@ -4,6 +4,7 @@ full forward of the target), and min_tokens bans EOS exactly as the reference ma
 (model and n-gram drafts) and SSD."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -26,12 +27,18 @@ def pair():
     return tiny_model(0), tiny_model(1, scale=0.16)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _full_logprobs(params, cfg, ids):
+    h, _ = llama.forward(params, cfg, ids, llama.init_cache(cfg, 1, ids.shape[1]))
+    return jax.nn.log_softmax(llama.logits(params, cfg, h)[0].astype(jnp.float32), axis=-1)
+
+
 def _reference_logprobs(model, prompt, tokens):
-    """log_softmax of the target's logits over the full sequence at each generated position."""
-    ids = jnp.asarray([list(prompt) + list(tokens)], jnp.int32)
-    cache = llama.init_cache(model.cfg, 1, ids.shape[1])
-    h, _ = llama.forward(model.params, model.cfg, ids, cache)
-    logp = jax.nn.log_softmax(llama.logits(model.params, model.cfg, h)[0].astype(jnp.float32), axis=-1)
+    """log_softmax of the target's logits over the full sequence at each generated position (one
+    causal forward, right-padded to a multiple of 16 so a few compiled widths serve every call)."""
+    seq = list(prompt) + list(tokens)
+    ids = jnp.asarray([seq + [0] * (-len(seq) % 16)], jnp.int32)
+    logp = _full_logprobs(model.params, model.cfg, ids)
     return np.array(logp[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
 
 

@@ -55,11 +55,16 @@ def _hf_greedy(model, ids, steps):
     return out[0, len(ids) :].tolist()
 
 
-# default set: the check a user trusts most (the HF model is already loaded for the logits test)
-def test_greedy_tokens_match_transformers(ours, hf_model):
-    ids = [ours.tokenizer.encode(p) for p in PROMPTS]
+# default set: the check a user trusts most (the HF model is already loaded for the logits test); a code
+# prompt and a chat-templated one by default, all four in the slow set (default-suite budget)
+@pytest.mark.parametrize(
+    "which", [(0, 3), pytest.param((1, 2), marks=pytest.mark.slow)], ids=["code-chat", "plain"]
+)
+def test_greedy_tokens_match_transformers(ours, hf_model, which):
+    prompts = [PROMPTS[i] for i in which]
+    ids = [ours.tokenizer.encode(p) for p in prompts]
     got = ssd_jax.generate(ours, ids, ssd_jax.SamplingParams(max_new_tokens=STEPS, ignore_eos=True))
-    for p, prompt_ids, out in zip(PROMPTS, ids, got.outputs):
+    for p, prompt_ids, out in zip(prompts, ids, got.outputs):
         want = _hf_greedy(hf_model, prompt_ids, STEPS)
         assert out["token_ids"] == want, (p, out["token_ids"], want)
 
@@ -79,14 +84,14 @@ def test_prefill_logits_close_to_transformers(ours, hf_model):
     assert np.abs(got - ref).max() < 2e-3, np.abs(got - ref).max()
 
 
-# default-suite budget (15 min on 2 cores): the shipped draft runs by default with its trimmed head
+# slow set (default-suite budget): SD's exactness runs on tiny pairs by default (test_sd, test_exactness)
 @pytest.mark.parametrize(
     "drafter",
     [
         pytest.param("tiny", marks=pytest.mark.slow),
         pytest.param("ngram", marks=pytest.mark.slow),
         pytest.param("shipped", marks=pytest.mark.slow),
-        "shipped-vocab2048",
+        pytest.param("shipped-vocab2048", marks=pytest.mark.slow),
     ],
 )
 def test_sd_greedy_equals_ar_on_smollm(ours, drafter):
