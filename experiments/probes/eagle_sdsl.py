@@ -81,7 +81,8 @@ def main() -> None:
                 continue
             m = measured_alpha(path)
             # the reads that stand for N in the law: the head's step (fc amortised over K), or the draft's
-            n = h["reads_per_step"] + h["reads_fc_per_round"] / m["k"] if label == "head" else None
+            is_head = label.startswith("head")  # "head", or a version of it ("head_stage1")
+            n = h["reads_per_step"] + h["reads_fc_per_round"] / m["k"] if is_head else None
             if n is None and t != "smollm2-135m-instruct":
                 continue  # the draft model's reads are known for SmolLM2's shipped draft only
             if n is None:
