@@ -333,3 +333,21 @@ def test_shipped_head_keeps_its_acceptance(target_name, head_name, floor):
     toks, mask = held_out_sequences(target, 4, 32)
     ev = evaluate_head(head, target, eagle.HeadSpec(tuple(meta["layers"])), toks, mask, k=4)
     assert ev["alpha_1"] >= floor, ev
+
+
+def test_evaluation_walks_rounds_where_sd_starts_them(monkeypatch):
+    """``evaluate_head``'s tokens a round: rounds start after the prefill's token and then after each
+    round's last token (not at every position), reading the teacher-forced accepted counts."""
+    import types
+
+    from ssd_jax.drafters import eagle as eagle_mod
+    from ssd_jax.training.eagle_train import evaluate_head
+
+    ok = np.asarray([[1, 0, 2, 0, 0, 3, 0, 1, 0]])
+    w = np.asarray([[0, 1, 1, 1, 1, 1, 1, 1, 0]], bool)
+    monkeypatch.setattr(eagle_mod, "greedy_acceptance", lambda *a, **k: (ok, w))
+    target = types.SimpleNamespace(params=None, cfg=None)
+    ev = evaluate_head({}, target, None, np.zeros((1, 9)), np.zeros((1, 9)), k=4, batch=1, ids=None)
+    # scored from index 1; rounds at 2 (2 accepted: 3 tokens), 5 (3: 4 tokens), 9 (past the end)
+    assert (ev["tokens_per_round"], ev["rounds"]) == (3.5, 2)
+    assert ev["alpha_1"] == pytest.approx(3 / 7)  # positions 1..7: 0, 2, 0, 0, 3, 0, 1

@@ -8,7 +8,8 @@ continuation (``--new-tokens``), and at every answer position how many of the he
 match before the first miss (``ssd_jax.training.eagle_train.evaluate_head``): ``alpha_1`` (the first
 proposal's acceptance) and the mean accepted of K, each with a 95% interval over sequences, and the
 acceptance by position (``p_first_d_accepted``, the mean over sequences of P(the first d proposals
-are all accepted)). Writes the JSON with the head's training step and the machine's load.
+are all accepted)) and the tokens a round of greedy SD whose rounds start where SD's do
+(``tokens_per_round``). Writes the JSON with the head's training step and the machine's load.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="per category (code, chat)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument(
+        "--prompt-seed", type=int, default=1,
+        help="which held-out prompts (1: training's evaluation, 0: the ones the benchmark suites use)",
+    )  # fmt: skip
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--store-curve", action="store_true",
@@ -41,11 +46,11 @@ def main() -> None:
     head, meta = eagle.load_head(a.head)
     spec = eagle.HeadSpec(tuple(meta["layers"]))
     t0 = time.perf_counter()
-    toks, mask = held_out_sequences(target, a.prompts, a.new_tokens)
+    toks, mask = held_out_sequences(target, a.prompts, a.new_tokens, seed=a.prompt_seed)
     res = evaluate_head(head, target, spec, toks, mask, k=a.k)
     out = {"target": a.target, "head": a.head, "step": meta.get("step"), "layers": meta["layers"],
            "head_params": eagle.count_head_params(head), **res,
-           "new_tokens": a.new_tokens, "eval_s": time.perf_counter() - t0, "load": os.getloadavg()[0]}  # fmt: skip
+           "new_tokens": a.new_tokens, "prompt_seed": a.prompt_seed, "eval_s": time.perf_counter() - t0, "load": os.getloadavg()[0]}  # fmt: skip
     if a.store_curve:
         from pathlib import Path
 

@@ -27,9 +27,12 @@ from ssd_jax.drafters.eagle import HEAD_WEIGHTS, save_head
 HEAD_META = "head.json"
 
 
-def held_out_sequences(target, n_per_category: int, new_tokens: int, categories=("code", "chat")):
+def held_out_sequences(
+    target, n_per_category: int, new_tokens: int, categories=("code", "chat"), seed: int = 1
+):
     """Benchmark prompts (never training ones) in the chat template with the target's greedy
-    continuations: (tokens (N, T) right-padded, mask (N, T): 1 where token j + 1 is generated)."""
+    continuations: (tokens (N, T) right-padded, mask (N, T): 1 where token j + 1 is generated).
+    ``seed`` picks the prompts (0: the ones the benchmark suites use)."""
     from ssd_jax.data.prompts import load_prompts
     from ssd_jax.engine.generate import generate
     from ssd_jax.sampling.filters import SamplingParams
@@ -37,7 +40,7 @@ def held_out_sequences(target, n_per_category: int, new_tokens: int, categories=
     tok = target.tokenizer
     prompts = []
     for c in categories:
-        for p in load_prompts(c, n=n_per_category, seed=1):
+        for p in load_prompts(c, n=n_per_category, seed=seed):
             text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}])
             prompts.append(tok.encode(text)[-256:])
     res = generate(target, prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
@@ -53,12 +56,15 @@ def held_out_sequences(target, n_per_category: int, new_tokens: int, categories=
 
 def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4, ids=None) -> dict[str, float]:
     """Teacher-forced greedy acceptance: the share of positions whose first proposal matches the
-    target's greedy token (alpha_1) and the mean accepted of K, with a 95% interval over sequences."""
+    target's greedy token (alpha_1) and the mean accepted of K, with a 95% interval over sequences.
+    ``tokens_per_round``: what greedy SD at this K emits a round when its rounds start where SD's do
+    (the first after the prefill's token, then each after the last one emitted) rather than at every
+    position: the rounds of a run begin just after a miss, which can be harder positions."""
     import jax.numpy as jnp
 
     from ssd_jax.drafters.eagle import greedy_acceptance
 
-    firsts, means, by_pos = [], [], []
+    firsts, means, by_pos, walk = [], [], [], []
     if ids is None and "vocab_ids" in head:
         ids = jnp.asarray(head["vocab_ids"])
     for i in range(0, len(toks), batch):
@@ -72,6 +78,10 @@ def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4, id
                 firsts.append(float((ok[r][w[r]] >= 1).mean()))
                 means.append(float(ok[r][w[r]].mean()))
                 by_pos.append([float((ok[r][w[r]] >= d).mean()) for d in range(1, k + 1)])
+                j = int(np.flatnonzero(w[r])[0]) + 1  # the prefill emitted the first answer token
+                while j < w.shape[1] and w[r, j]:
+                    walk.append(int(ok[r, j]) + 1)
+                    j += int(ok[r, j]) + 1
 
     def ci(xs):
         xs = np.asarray(xs)
@@ -81,7 +91,8 @@ def evaluate_head(head, target, spec, toks, mask, k: int = 4, batch: int = 4, id
     a1, a1_h = ci(firsts)
     m, m_h = ci(means)
     return {"alpha_1": a1, "alpha_1_ci": a1_h, "accepted_of_k": m, "accepted_of_k_ci": m_h, "k": k,
-            "p_first_d_accepted": np.mean(by_pos, axis=0).round(4).tolist(), "sequences": len(firsts)}  # fmt: skip
+            "p_first_d_accepted": np.mean(by_pos, axis=0).round(4).tolist(), "sequences": len(firsts),
+            "tokens_per_round": float(np.mean(walk)) if walk else float("nan"), "rounds": len(walk)}  # fmt: skip
 
 
 def scored_positions(b: dict, prompt_weight: float) -> np.ndarray:
