@@ -17,8 +17,6 @@ from ssd_jax.cli.launch import process_env
 # the child: the protocol's prompts replaced by token ids (the tiny checkpoints have no tokenizer)
 CHILD = """
 import sys
-
-import pytest
 from ssd_jax.bench import protocol
 protocol.category_prompts = lambda c, n: [
     {"id": f"{c}{i}", "prompt": [3 + i, 9, 11, 3 + i, 9]} for i in range(n)]

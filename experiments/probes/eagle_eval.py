@@ -50,7 +50,8 @@ def main() -> None:
     res = evaluate_head(head, target, spec, toks, mask, k=a.k)
     out = {"target": a.target, "head": a.head, "step": meta.get("step"), "layers": meta["layers"],
            "head_params": eagle.count_head_params(head), **res,
-           "new_tokens": a.new_tokens, "prompt_seed": a.prompt_seed, "eval_s": time.perf_counter() - t0, "load": os.getloadavg()[0]}  # fmt: skip
+           "new_tokens": a.new_tokens, "prompt_seed": a.prompt_seed, "eval_s": time.perf_counter() - t0,
+           "load": os.getloadavg()[0]}  # fmt: skip
     if a.store_curve:
         from pathlib import Path
 

@@ -256,23 +256,20 @@ def train_head(
 
 
 def warm_start(head, src: str, target, spec, ids) -> tuple[dict, dict[str, Any]]:
-    """``head``'s parameters replaced by those of the trained head ``src`` (a shipped name or a
-    directory), and what the recipe records of it. It must have been trained for this target with the
-    same layers, kept vocabulary and shapes (``--head-mlp``); anything else is refused in one line."""
-    import hashlib
-
+    """``head``'s parameters replaced by those of the trained head ``src`` (a shipped name, a directory
+    or a file, as ``--draft eagle:PATH`` takes them), and what the recipe records of it. It must have
+    been trained for this target (checked as decoding checks it) with the same layers, kept vocabulary
+    and shapes (``--head-mlp``); anything else is refused in one line."""
     import jax
 
-    from ssd_jax.drafters import eagle
-    from ssd_jax.loading.draft import resolve_head
+    from ssd_jax.engine.methods.eagle import PREFIX, eagle_source, load_eagle
+    from ssd_jax.loading.registry import sha256_file
 
-    path = resolve_head(src) or Path(src)
-    got, meta = eagle.load_head(path)
+    ref = PREFIX + src.removeprefix(PREFIX)
+    got, meta = load_eagle(target, ref)  # in the target's dtype, the head's own
     kept = got.pop("vocab_ids", None)
     why = None
-    if meta.get("target_sha256") not in (None, target.weights_sha256):
-        why = "it was trained for another target"
-    elif list(meta["layers"]) != list(spec.layers):
+    if list(meta["layers"]) != list(spec.layers):
         why = f"it reads layers {meta['layers']}, not {list(spec.layers)}"
     elif (kept is None) != (ids is None) or (ids is not None and not np.array_equal(np.asarray(kept), ids)):
         why = "its vocabulary differs (--draft-vocab)"
@@ -280,10 +277,9 @@ def warm_start(head, src: str, target, spec, ids) -> tuple[dict, dict[str, Any]]
         why = "its shapes differ (--head-mlp)"
     if why:
         raise UserError(f"--init {src}: {why}")
-    weights = Path(path) / HEAD_WEIGHTS if Path(path).is_dir() else Path(path)
-    sha = hashlib.sha256(weights.read_bytes()).hexdigest()
-    start = jax.tree.map(lambda a, b: jax.numpy.asarray(b, a.dtype), head, got)
-    return start, {"from": str(src), "sha256": sha, "step": meta.get("step")}
+    p = Path(eagle_source(ref))
+    weights = p / HEAD_WEIGHTS if p.is_dir() else p
+    return got, {"from": src, "sha256": sha256_file(weights), "step": meta.get("step")}
 
 
 def _feature_cache(out: Path, target, spec, dd, n, batch, corpus_rows, seq_len, seed, prompt_weight, log):
