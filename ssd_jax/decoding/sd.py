@@ -84,6 +84,40 @@ def accept_step(
     return emitted, n, new_len, new_len + 0, prev, res.next_token, lpc
 
 
+def draft_stage(
+    dparams, dcache, prev_B, cur_B, catch_up, kd, rs, host_tokens_BxK, host_n_B,
+    *, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False,
+):  # fmt: skip
+    """The draft stage of :func:`sd_round` (``kd``: the round's draft key): (tokens (B, K), n_draft (B,),
+    q (the draft's distributions; None unless ``kind="model"`` and sampling), dcache)."""
+    B = cur_B.shape[0]
+    q = None
+    n_draft = jnp.full((B,), k, jnp.int32)
+    if kind == "model":
+
+        def variant(c):
+            def run(args):
+                return draft_propose(
+                    *args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c, greedy=greedy
+                )
+
+            return run
+
+        args = (dparams, dcache, prev_B, cur_B, kd, rs)
+        if dcache.is_view:
+            # a paged pool or a batch bucket's view: XLA:CPU copies a conditional's operand buffers, here
+            # the whole pool (an 8-slot SmolLM2 draft's: 18 copies of 12.6 MB a round); the catch-up step
+            # (rewriting the last slot with the token already there) costs one more draft token instead
+            tokens, q, dcache = variant(True)(args)
+        else:
+            tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), args)
+    elif kind == "random":
+        tokens = random_tokens(kd, B, k, rand_vocab)
+    else:
+        tokens, n_draft = host_tokens_BxK, host_n_B
+    return tokens, n_draft, q, dcache
+
+
 def sd_round(
     tparams,
     tcache,
@@ -122,33 +156,12 @@ def sd_round(
     Returns (host array (B, K+2+P): the round's tokens, n_accepted, then the P log-probability columns;
     n_draft, tcache, dcache, cur, prev, catch_up, step + 1).
     """
-    B = cur_B.shape[0]
     kdraft, kverify = fold_in(key, 1), fold_in(key, 2)
-    kd = fold_in(kdraft, step)
-    q = None
-    n_draft = jnp.full((B,), k, jnp.int32)
-    if kind == "model":
-
-        def variant(c):
-            def run(args):
-                return draft_propose(
-                    *args, cfg=dcfg, k=k, vocab=vocab, needs_filter=needs_filter, catch_up=c, greedy=greedy
-                )
-
-            return run
-
-        args = (dparams, dcache, prev_B, cur_B, kd, rs)
-        if dcache.is_view:
-            # a paged pool or a batch bucket's view: XLA:CPU copies a conditional's operand buffers, here
-            # the whole pool (an 8-slot SmolLM2 draft's: 18 copies of 12.6 MB a round); the catch-up step
-            # (rewriting the last slot with the token already there) costs one more draft token instead
-            tokens, q, dcache = variant(True)(args)
-        else:
-            tokens, q, dcache = jax.lax.cond(catch_up, variant(True), variant(False), args)
-    elif kind == "random":
-        tokens = random_tokens(kd, B, k, rand_vocab)
-    else:
-        tokens, n_draft = host_tokens_BxK, host_n_B
+    tokens, n_draft, q, dcache = draft_stage(
+        dparams, dcache, prev_B, cur_B, catch_up, fold_in(kdraft, step), rs, host_tokens_BxK, host_n_B,
+        dcfg=dcfg, k=k, vocab=vocab, rand_vocab=rand_vocab, needs_filter=needs_filter, kind=kind,
+        greedy=greedy,
+    )  # fmt: skip
     logits, tcache = target_score(tparams, tcache, cur_B, tokens, cfg=cfg)
     emitted, n, new_len, _, prev, cur, lpc = accept_step(
         kverify,
