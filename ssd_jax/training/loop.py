@@ -52,48 +52,26 @@ def _resume_check(meta: dict[str, Any], new: dict[str, Any], path: Path) -> None
         raise UserError(f"cannot resume {path}: it was trained with a different {', '.join(diffs)}")
 
 
-def _head_mask(target, n: int, run_path: Path) -> np.ndarray:
-    """(V,) bool: the ids a ``--draft-vocab n`` head keeps, from counts stored in the run directory
-    (``token_counts.npz``, the file decoding reads next to the draft)."""
+def _head_arrays(target, n: int, run_path: Path) -> dict[str, np.ndarray]:
+    """A ``--draft-vocab n`` head's frozen arrays: ``head_mask`` ((V,) bool, the ids it keeps, from counts
+    stored in the run directory: ``token_counts.npz``, the file decoding reads next to the draft),
+    ``head_ids`` (the kept ids) and ``head_col`` (each id's row in the trimmed head, -1 if dropped)."""
     from ssd_jax.drafters.vocab import always_kept, draft_token_counts, kept_ids
 
     counts = draft_token_counts(target, str(run_path))
     mask = np.zeros((target.cfg.vocab_size,), bool)
     mask[kept_ids(counts, n, always_kept(target.tokenizer))] = True
-    return mask
+    ids = np.flatnonzero(mask).astype(np.int32)
+    col = np.full(mask.shape, -1, np.int32)
+    col[ids] = np.arange(ids.size, dtype=np.int32)
+    return {"head_mask": mask, "head_ids": ids, "head_col": col}
 
 
-def train(
-    args: TrainArgs,
-    *,
-    corpus: Corpus | None = None,
-    on_step: Callable[[int, dict[str, float]], None] | None = None,
-) -> dict[str, Any]:
-    """Train (or resume) a draft; returns a summary (out, step, last eval, best, timing).
-
-    ``corpus`` overrides the tokenized data (tests); ``on_step(step, metrics)`` is called
-    after every step's log line is written (tests use it to interrupt a run).
-    """
-    import jax
-
-    from ssd_jax.loading import load_model
-    from ssd_jax.loading.store import progress
-
-    args.check()
-    args = args.resolved()
-    run = RunDir(args.out, args.keep)
-    if run.has_run() and not args.resume:
-        raise UserError(
-            f"{run.path} already holds a training run: pass --resume to continue it or choose another --out"
-        )
-
-    # checkpoint layout: drafts are saved and share tensors in it (ssd_jax.loading.draft)
-    target = load_model(args.target, dtype=args.dtype, forms="canonical")
-    tcfg = target.cfg
-    cfg, law = size_draft(tcfg, args.size)
-    init_idx = init_layer_indices(args.init_layers, tcfg.num_layers, cfg.num_layers)
+def _load_data(args: TrainArgs, target, corpus: Corpus | None):
+    """The run's data: (corpus, distill). ``--loss distill`` trains on stored target top-k (``distill``)
+    while the held-out evaluation stays on the corpus; otherwise ``distill`` is None."""
     distill = None
-    if args.loss == "distill":  # stored target top-k; the held-out evaluation stays on the corpus
+    if args.loss == "distill":
         from ssd_jax.training.distill_data import load_distill_data
 
         distill = load_distill_data(args.data, target.weights_sha256)
@@ -106,15 +84,15 @@ def train(
                 f"{n_long} of {distill.n} distillation sequences are longer than --seq-len + 1 = {args.seq_len + 1}: "
                 f"their prompts lose their start (the target saw the whole prompt)"
             )
-    corpus = corpus or build_corpus(args, target.tokenizer)
-    shared = shared_names(tcfg)
-    frozen = {
-        "shared": {n: target.params[n] for n in shared},
-        "target": target.params,
-    }
+    return corpus or build_corpus(args, target.tokenizer), distill
+
+
+def _run_meta(args: TrainArgs, run: RunDir, target, cfg, shared: list[str], pr, law, init_idx, data_info):
+    """The run's ``meta.json`` at step 0 (the draft format's header, the target, the draft's config and
+    initialization, the training arguments and data); evaluations and the best draft are added as it runs."""
+    tcfg = target.cfg
     shared_np = {n: np.asarray(target.params[n]) for n in shared}
-    pr = param_report(cfg, tcfg)
-    meta: dict[str, Any] = {
+    return {
         "format": dfmt.FORMAT,
         "format_version": dfmt.FORMAT_VERSION,
         "name": run.path.name,
@@ -134,21 +112,18 @@ def train(
                 k: getattr(args, k)
                 for k in (*RESUME_KEYS, "target", "size", "eval_every", "eval_windows", "save_every")
             },
-            "data": corpus.info,
+            "data": data_info,
             "data_seed": args.seed,
         },
         "step": 0,
         "evals": [],
         "best": None,
     }
-    del shared_np
 
-    opt, sched = make_optimizer(args)
-    # committed to one device like the arrays orbax restores, so that a fresh and a resumed
-    # run in one process share the compiled step
-    dev = jax.devices()[0]
-    params = jax.device_put(init_trained(target.params, tcfg, cfg, args.init_layers, args.seed), dev)
-    opt_state = jax.device_put(opt.init(params), dev)
+
+def _resume(args: TrainArgs, run: RunDir, meta: dict[str, Any], params, opt_state):
+    """Where the run starts: (step, params, opt_state), restored from the latest complete checkpoint under
+    ``--resume`` (its evaluations, best and timing history carried into ``meta``), else step 0."""
     start = 0
     run.path.mkdir(parents=True, exist_ok=True)
     if args.resume and run.meta_path.exists():
@@ -169,48 +144,65 @@ def train(
     else:
         if run.log_path.exists():
             run.log_path.unlink()
-    dfmt.write_json_atomic(run.meta_path, meta)
-    log(
-        f"draft: {cfg.num_layers} layers x {cfg.hidden_size} (init from target layers {init_idx}), "
-        f"N = {pr['N']:,} trained + {pr['shared']:,} shared; SDSL N_opt = {law['n_opt']:.3g} "
-        f"for M = {law['M']:,}; per-token cost {pr['cost_ratio']:.2f}x the target's"
-    )
+    return start, params, opt_state
 
-    eval_fn = make_eval_step(cfg, tcfg)
-    evb = eval_batches(corpus.heldout, eval_batch_count(args), args.batch_size, args.seq_len)
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One training step: ``fn(params, opt_state, batch, frozen)``, the frozen arrays it takes, the batch
+    of each step (``batch(step)``) and the learning-rate schedule (for the log)."""
+
+    fn: Callable
+    frozen: dict[str, Any]
+    batch: Callable[[int], Any]
+    sched: Callable[[int], Any]
+
+
+def _make_step(args: TrainArgs, cfg, tcfg, opt, sched, corpus: Corpus, distill, frozen) -> _Step:
+    """The step of ``--loss`` (the distillation step on stored top-k, or a step on the corpus with the target
+    computed on the fly), with the part of ``frozen`` it reads."""
     if distill is not None:
         from ssd_jax.training.distill import distill_batch, make_distill_step
 
-        if args.draft_vocab is not None:
-            mask = _head_mask(target, args.draft_vocab, run.path)
-            ids = np.flatnonzero(mask).astype(np.int32)
-            col = np.full(mask.shape, -1, np.int32)
-            col[ids] = np.arange(ids.size, dtype=np.int32)
-            # evaluation masks full-width logits; the train step computes the kept rows only
-            frozen.update(jax.device_put({"head_mask": mask, "head_ids": ids, "head_col": col}, dev))
-            log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
-        train_step = make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt)
-        frozen_step = {k: v for k, v in frozen.items() if k != "target"}
-        next_batch = lambda step: distill_batch(
-            distill, step, args.seed, args.batch_size, args.seq_len, args.pack
+        return _Step(
+            make_distill_step(cfg, args.distill_tail, float(args.ce_weight), opt),
+            {k: v for k, v in frozen.items() if k != "target"},
+            lambda step: distill_batch(distill, step, args.seed, args.batch_size, args.seq_len, args.pack),
+            sched,
         )
-    else:
-        train_step = make_train_step(cfg, tcfg, args.loss, opt)
-        frozen_step = frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None}
-        next_batch = lambda step: train_batch(corpus.train, step, args.seed, args.batch_size, args.seq_len)
+    return _Step(
+        make_train_step(cfg, tcfg, args.loss, opt),
+        frozen if args.loss != "ce" else {"shared": frozen["shared"], "target": None},
+        lambda step: train_batch(corpus.train, step, args.seed, args.batch_size, args.seq_len),
+        sched,
+    )
 
-    def do_eval(step: int) -> dict[str, Any]:
+
+@dataclasses.dataclass(frozen=True)
+class _Evals:
+    """The run's evaluations and the drafts it exports: each evaluation is appended to ``meta``; the best
+    (by alpha) is exported to the run's best directory, and with ``--keep-evals`` every evaluated draft."""
+
+    args: TrainArgs
+    run: RunDir
+    meta: dict[str, Any]
+    eval_fn: Callable
+    frozen: dict[str, Any]
+    batches: Any
+
+    def evaluate(self, step: int, params) -> dict[str, Any]:
         t0 = time.perf_counter()
-        m = evaluate(eval_fn, params, frozen, evb)
+        m = evaluate(self.eval_fn, params, self.frozen, self.batches)
         m = {"step": step, **m, "eval_s": time.perf_counter() - t0}
-        meta["evals"].append(_finite(m))
+        self.meta["evals"].append(_finite(m))
         log(
             f"eval step {step}: ppl {m['ppl']:.3f} (target {m['target_ppl']:.3f}), alpha {m['alpha']:.4f}, "
             f"greedy match {m['greedy_match']:.4f}, kl {m['kl']:.4f}  [{m['eval_s']:.1f}s]"
         )
         return m
 
-    def export_best(step: int, m: dict[str, Any]) -> None:
+    def export_best(self, step: int, m: dict[str, Any], params) -> None:
+        meta = self.meta
         best = meta.get("best")
         if best is not None and best.get("alpha") is not None and m["alpha"] <= best["alpha"]:
             return
@@ -220,44 +212,143 @@ def train(
         }
         bmeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
         bmeta.pop("evals", None)
-        run.export(run.best_dir, params, bmeta)
+        self.run.export(self.run.best_dir, params, bmeta)
 
-    def snapshot(
-        step: int, m: dict[str, Any]
-    ) -> None:  # --keep-evals: the draft at this eval, for learning curves
-        if args.keep_evals:
+    def snapshot(self, step: int, m: dict[str, Any], params) -> None:
+        """--keep-evals: the draft at this eval, for learning curves."""
+        meta = self.meta
+        if self.args.keep_evals:
             smeta = {**meta, "step": step, "metrics": _finite(m), "params_sha256": tensors_sha256(params)}
             smeta.pop("evals", None)
-            run.export(run.path / EVALS_DIR / str(step), params, smeta)
+            self.run.export(self.run.path / EVALS_DIR / str(step), params, smeta)
+
+
+@dataclasses.dataclass
+class _Timing:
+    """Step times: the first step's (compilation included) apart from the rest."""
+
+    first: float | None = None
+    times: list[float] = dataclasses.field(default_factory=list)
+    loss_tokens: float = 0.0  # distill: tokens with a loss in the timed steps
+
+    def add(self, dt: float, metrics: dict[str, float]) -> None:
+        if self.first is None:
+            self.first = dt
+        else:
+            self.times.append(dt)
+            self.loss_tokens += metrics.get("tokens", 0.0)
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        """Over the last 20 steps (for the progress bar)."""
+        recent = self.times[-20:]
+        return tokens_per_step / (sum(recent) / len(recent)) if recent else float("nan")
+
+    def summary(self, tokens_per_step: int, device: str) -> dict[str, Any]:
+        times = self.times
+        return {
+            "first_step_s": self.first,
+            "steps": len(times),
+            "step_s": (sum(times) / len(times)) if times else None,
+            "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
+            "loss_tokens_per_s": self.loss_tokens / sum(times) if times and self.loss_tokens else None,
+            "device": device,
+        }
+
+
+def train(
+    args: TrainArgs,
+    *,
+    corpus: Corpus | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a draft; returns a summary (out, step, last eval, best, timing).
+
+    ``corpus`` overrides the tokenized data (tests); ``on_step(step, metrics)`` is called
+    after every step's log line is written (tests use it to interrupt a run).
+    """
+    import jax
+
+    from ssd_jax.loading import load_model
+
+    args.check()
+    args = args.resolved()
+    run = RunDir(args.out, args.keep)
+    if run.has_run() and not args.resume:
+        raise UserError(
+            f"{run.path} already holds a training run: pass --resume to continue it or choose another --out"
+        )
+
+    # checkpoint layout: drafts are saved and share tensors in it (ssd_jax.loading.draft)
+    target = load_model(args.target, dtype=args.dtype, forms="canonical")
+    tcfg = target.cfg
+    cfg, law = size_draft(tcfg, args.size)
+    init_idx = init_layer_indices(args.init_layers, tcfg.num_layers, cfg.num_layers)
+    corpus, distill = _load_data(args, target, corpus)
+    shared = shared_names(tcfg)
+    frozen = {
+        "shared": {n: target.params[n] for n in shared},
+        "target": target.params,
+    }
+    pr = param_report(cfg, tcfg)
+    meta = _run_meta(args, run, target, cfg, shared, pr, law, init_idx, corpus.info)
+
+    opt, sched = make_optimizer(args)
+    # committed to one device like the arrays orbax restores, so that a fresh and a resumed
+    # run in one process share the compiled step
+    dev = jax.devices()[0]
+    params = jax.device_put(init_trained(target.params, tcfg, cfg, args.init_layers, args.seed), dev)
+    opt_state = jax.device_put(opt.init(params), dev)
+    start, params, opt_state = _resume(args, run, meta, params, opt_state)
+    dfmt.write_json_atomic(run.meta_path, meta)
+    log(
+        f"draft: {cfg.num_layers} layers x {cfg.hidden_size} (init from target layers {init_idx}), "
+        f"N = {pr['N']:,} trained + {pr['shared']:,} shared; SDSL N_opt = {law['n_opt']:.3g} "
+        f"for M = {law['M']:,}; per-token cost {pr['cost_ratio']:.2f}x the target's"
+    )
+
+    evals = _Evals(
+        args, run, meta, make_eval_step(cfg, tcfg), frozen,
+        eval_batches(corpus.heldout, eval_batch_count(args), args.batch_size, args.seq_len),
+    )  # fmt: skip
+    if distill is not None and args.draft_vocab is not None:
+        # evaluation masks full-width logits; the train step computes the kept rows only
+        frozen.update(jax.device_put(_head_arrays(target, args.draft_vocab, run.path), dev))
+        log(f"head trimmed to {args.draft_vocab} tokens (the ids --draft-vocab {args.draft_vocab} keeps)")
+    train_step = _make_step(args, cfg, tcfg, opt, sched, corpus, distill, frozen)
 
     due = start == args.steps or (bool(args.eval_every) and start % args.eval_every == 0)
     if due and not any(e["step"] == start for e in meta["evals"]):
         # step 0, or a kill between saving an eval step's state and recording its evaluation
-        m0 = do_eval(start)
-        export_best(start, m0)
-        snapshot(start, m0)
+        m0 = evals.evaluate(start, params)
+        evals.export_best(start, m0, params)
+        evals.snapshot(start, m0, params)
         dfmt.write_json_atomic(run.meta_path, meta)
+    return _run_steps(args, run, meta, evals, train_step, params, opt_state, start, on_step)
+
+
+def _run_steps(
+    args: TrainArgs, run: RunDir, meta: dict[str, Any], evals: _Evals, train_step: _Step, params, opt_state,
+    start: int, on_step,
+) -> dict[str, Any]:  # fmt: skip
+    """The steps ``start`` to ``--steps``: each logged, evaluated every ``--eval-every`` and at the end,
+    saved at evaluations and every ``--save-every``; the timing is recorded in ``meta`` however it ends."""
+    import jax
+
+    from ssd_jax.loading.store import progress
 
     tokens_per_step = args.batch_size * args.seq_len
     bar = progress(total=args.steps, initial=start, desc="train", unit="step", leave=True, mininterval=1.0)
-    t_first = None
-    times: list[float] = []
-    loss_tokens = 0.0  # distill: tokens with a loss in the timed steps
+    timing = _Timing()
     last_eval = meta["evals"][-1] if meta["evals"] else None
     try:
         for step in range(start, args.steps):
-            batch = next_batch(step)
+            batch = train_step.batch(step)
             t0 = time.perf_counter()
-            params, opt_state, metrics = train_step(params, opt_state, batch, frozen_step)
+            params, opt_state, metrics = train_step.fn(params, opt_state, batch, train_step.frozen)
             metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-            dt = time.perf_counter() - t0
-            if t_first is None:
-                t_first = dt
-            else:
-                times.append(dt)
-                loss_tokens += metrics.get("tokens", 0.0)
+            timing.add(time.perf_counter() - t0, metrics)
             done = step + 1
-            rec = {"step": done, "lr": float(sched(step)), **metrics}
+            rec = {"step": done, "lr": float(train_step.sched(step)), **metrics}
             run.append_log(_finite(rec))
             if not math.isfinite(metrics["loss"]):
                 last = dfmt.complete_steps(run.state_dir)
@@ -266,37 +357,28 @@ def train(
                     f"the last good checkpoint is step {last[0] if last else 'none'} in {run.path} "
                     f"(lower --lr or --clip and --resume)"
                 )
-            recent = times[-20:]
-            tps = tokens_per_step / (sum(recent) / len(recent)) if recent else float("nan")
             post = f"loss {metrics['loss']:.4f}" + (
                 f" a {metrics['alpha']:.3f}" if "alpha" in metrics else ""
             )
-            bar.set_postfix_str(f"{post} {tps:,.0f} tok/s", refresh=False)
+            bar.set_postfix_str(f"{post} {timing.tokens_per_s(tokens_per_step):,.0f} tok/s", refresh=False)
             bar.update(1)
             is_eval = bool(args.eval_every) and done % args.eval_every == 0
             final = done == args.steps
             if is_eval or final:
-                last_eval = do_eval(done)
+                last_eval = evals.evaluate(done, params)
             if is_eval or final or done % args.save_every == 0:
                 run.save(done, params, opt_state)
                 meta["step"] = done
                 if is_eval or final:
-                    export_best(done, last_eval)
-                    snapshot(done, last_eval)
+                    evals.export_best(done, last_eval, params)
+                    evals.snapshot(done, last_eval, params)
                 dfmt.write_json_atomic(run.meta_path, meta)
             if on_step is not None:
                 on_step(done, rec)
     finally:
         bar.close()
-        timing = {
-            "first_step_s": t_first,
-            "steps": len(times),
-            "step_s": (sum(times) / len(times)) if times else None,
-            "tokens_per_s": tokens_per_step * len(times) / sum(times) if times else None,
-            "loss_tokens_per_s": loss_tokens / sum(times) if times and loss_tokens else None,
-            "device": str(jax.devices()[0].platform),
-        }
-        meta.setdefault("timing_history", []).append(timing)
+        summary = timing.summary(tokens_per_step, str(jax.devices()[0].platform))
+        meta.setdefault("timing_history", []).append(summary)
         try:
             dfmt.write_json_atomic(run.meta_path, meta)
         except OSError:
@@ -307,6 +389,6 @@ def train(
         "step": meta["step"],
         "eval": last_eval,
         "best": meta["best"],
-        "timing": timing,
+        "timing": summary,
         "meta": meta,
     }
