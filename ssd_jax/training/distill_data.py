@@ -338,15 +338,65 @@ def build_distill_data(
     if not prompts:
         raise UserError("no training prompts to distill")
     ids = [str(r["id"]) for r in prompts]
+    manifest = _open_out(out, recipe, target, ids)
+
+    key_sha = _sha({"recipe": manifest["recipe"], "target": target.weights_sha256})
+    S = recipe.shard_prompts
+    n_shards = -(-len(prompts) // S)
+    jobs = [(ti, t, s) for ti, t in enumerate(recipe.temperatures) for s in range(n_shards)]
+    eos = tuple(sorted(eos_ids(target)))
+    prog = answer_program(target.cfg, recipe.top_k, recipe.max_new_tokens, eos)
+    stats = {"shards_written": 0, "shards_kept": 0, "gen_tokens": 0, "gen_s": 0.0,
+             "compiles": 0, "compile_s": 0.0}  # fmt: skip
+    bar = progress(total=len(jobs), desc="distill-data", unit="shard", leave=True, mininterval=1.0)
+    try:
+        for ti, temp, s in jobs:
+            name = shard_name(ti, s)
+            shard_ids = ids[s * S : (s + 1) * S]
+            got = read_shard(out / name)
+            if got is not None and got[1].get("key") == key_sha and got[1].get("prompt_ids") == shard_ids:
+                stats["shards_kept"] += 1
+                bar.update(1)
+                continue
+            recs = prompts[s * S : (s + 1) * S]
+            p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
+            answers, timing = _answer_shard(
+                target, recipe, prog, eos, p_ids, float(temp), (ti, s), bar, stats
+            )
+            for k in timing:
+                stats[k] += timing[k]
+            meta = {
+                "key": key_sha,
+                "temperature": float(temp),
+                "shard": s,
+                "prompt_ids": shard_ids,
+                "finish_reasons": [a[1] for a in answers],
+                "timing": timing,
+            }  # timing includes compilation
+            write_atomic(out / name, shard_bytes(_shard_arrays(p_ids, answers), meta))
+            stats["shards_written"] += 1
+            bar.update(1)
+            if on_shard is not None:
+                on_shard(name)
+    finally:
+        bar.close()
+    stats["tokens_per_s"] = stats["gen_tokens"] / stats["gen_s"] if stats["gen_s"] else None
+    return {"out": str(out), "shards": len(jobs), **stats}
+
+
+def _open_out(out: Path, recipe: DistillRecipe, target, ids: list[str]) -> dict[str, Any]:
+    """Makes ``out`` this run's and returns its manifest: data of another recipe or target, or whose prompt
+    list ``ids`` does not extend, is refused in one line; temporary files of a killed run are removed and
+    the manifest is (re)written."""
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "recipe": recipe.key(),
-        "n_prompts": len(prompts),
+        "n_prompts": len(ids),
         "target": {
             "name": recipe.target,
             "weights_sha256": target.weights_sha256,
-            "tokenizer_fingerprint": tok.fingerprint(),
+            "tokenizer_fingerprint": target.tokenizer.fingerprint(),
         },
         "prompt_ids": ids,
     }
@@ -369,87 +419,52 @@ def build_distill_data(
     for p in out.glob(".*.tmp-*"):  # temporary files of a killed run
         p.unlink(missing_ok=True)
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
 
-    key_sha = _sha({"recipe": manifest["recipe"], "target": target.weights_sha256})
-    S, B = recipe.shard_prompts, recipe.batch_size
-    n_shards = -(-len(prompts) // S)
-    jobs = [(ti, t, s) for ti, t in enumerate(recipe.temperatures) for s in range(n_shards)]
-    eos = tuple(sorted(eos_ids(target)))
-    prog = answer_program(target.cfg, recipe.top_k, recipe.max_new_tokens, eos)
-    stats = {
-        "shards_written": 0,
-        "shards_kept": 0,
-        "gen_tokens": 0,
-        "gen_s": 0.0,
-        "compiles": 0,
-        "compile_s": 0.0,
+
+def _answer_shard(target, recipe: DistillRecipe, prog, eos, p_ids, temp: float, where, bar, stats):
+    """The answers to one shard's prompts ``p_ids`` (in their order; ``where``: the shard's (temperature
+    index, number), which seeds its batches) and the shard's timing (compilation included). ``stats``,
+    the run's totals before this shard, only feed the progress bar's rate."""
+    ti, s = where
+    longest = max(len(p) for p in p_ids)
+    if longest + recipe.max_new_tokens > target.cfg.max_position_embeddings:
+        raise UserError(
+            f"a prompt of {longest} tokens + --max-new-tokens {recipe.max_new_tokens} exceeds the "
+            f"context window of {recipe.target} ({target.cfg.max_position_embeddings} tokens)"
+        )
+    # batches of similar lengths (stable sort): little prefill padding, and a few prompt widths
+    # over the whole run, each compiled once
+    order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]))
+    answers = [None] * len(p_ids)  # (continuation, finish reason, top-k log-probs, top-k ids)
+    timing = {"gen_s": 0.0, "gen_tokens": 0, "compiles": 0, "compile_s": 0.0}
+    B = recipe.batch_size
+    for b in range(0, len(order), B):
+        rows = order[b : b + B]
+        seed = int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1)
+        c0, cs0, t0 = prog.compiles, prog.compile_s, time.perf_counter()
+        for i, a in zip(rows, answer_batch(target, [p_ids[i] for i in rows], temp, seed, recipe, eos)):
+            answers[i] = a
+            timing["gen_tokens"] += len(a[0])
+        timing["gen_s"] += time.perf_counter() - t0
+        timing["compiles"] += prog.compiles - c0
+        timing["compile_s"] += prog.compile_s - cs0
+        done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s")}
+        bar.set_postfix_str(f"{done['gen_tokens'] / max(done['gen_s'], 1e-9):,.0f} tok/s", refresh=False)
+    return answers, timing
+
+
+def _shard_arrays(p_ids: list[list[int]], answers) -> dict[str, np.ndarray]:
+    """A shard's arrays: the sequences (prompt + continuation) concatenated, their offsets, the prompt
+    lengths and the generated positions' top-k ids and log-probabilities."""
+    seqs = [list(p) + a[0] for p, a in zip(p_ids, answers)]
+    return {
+        "tokens": np.concatenate([np.asarray(q, np.int32) for q in seqs]),
+        "offsets": np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
+        "prompt_lens": np.asarray([len(p) for p in p_ids], np.int32),
+        "topk_ids": np.concatenate([a[3] for a in answers]),
+        "topk_logprobs": np.concatenate([a[2] for a in answers]),
     }
-    bar = progress(total=len(jobs), desc="distill-data", unit="shard", leave=True, mininterval=1.0)
-    try:
-        for ti, temp, s in jobs:
-            name = shard_name(ti, s)
-            shard_ids = ids[s * S : (s + 1) * S]
-            got = read_shard(out / name)
-            if got is not None and got[1].get("key") == key_sha and got[1].get("prompt_ids") == shard_ids:
-                stats["shards_kept"] += 1
-                bar.update(1)
-                continue
-            recs = prompts[s * S : (s + 1) * S]
-            p_ids = [encode_prompt(tok, r["prompt"], recipe.max_prompt_tokens, recipe.chat) for r in recs]
-            longest = max(len(p) for p in p_ids)
-            if longest + recipe.max_new_tokens > target.cfg.max_position_embeddings:
-                raise UserError(
-                    f"a prompt of {longest} tokens + --max-new-tokens {recipe.max_new_tokens} exceeds the "
-                    f"context window of {recipe.target} ({target.cfg.max_position_embeddings} tokens)"
-                )
-            # batches of similar lengths (stable sort): little prefill padding, and a few prompt widths
-            # over the whole run, each compiled once
-            order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]))
-            answers = [None] * len(p_ids)  # (continuation, finish reason, top-k log-probs, top-k ids)
-            timing = {"gen_s": 0.0, "gen_tokens": 0, "compiles": 0, "compile_s": 0.0}
-            for b in range(0, len(order), B):
-                rows = order[b : b + B]
-                seed = int(np.random.SeedSequence([recipe.seed, ti, s, b]).generate_state(1)[0] >> 1)
-                c0, cs0, t0 = prog.compiles, prog.compile_s, time.perf_counter()
-                for i, a in zip(
-                    rows, answer_batch(target, [p_ids[i] for i in rows], float(temp), seed, recipe, eos)
-                ):
-                    answers[i] = a
-                    timing["gen_tokens"] += len(a[0])
-                timing["gen_s"] += time.perf_counter() - t0
-                timing["compiles"] += prog.compiles - c0
-                timing["compile_s"] += prog.compile_s - cs0
-                done = {k: stats[k] + timing[k] for k in ("gen_tokens", "gen_s")}
-                bar.set_postfix_str(
-                    f"{done['gen_tokens'] / max(done['gen_s'], 1e-9):,.0f} tok/s", refresh=False
-                )
-            seqs = [list(p) + a[0] for p, a in zip(p_ids, answers)]
-            for k in timing:
-                stats[k] += timing[k]
-            arrays = {
-                "tokens": np.concatenate([np.asarray(q, np.int32) for q in seqs]),
-                "offsets": np.concatenate([[0], np.cumsum([len(q) for q in seqs])]).astype(np.int64),
-                "prompt_lens": np.asarray([len(p) for p in p_ids], np.int32),
-                "topk_ids": np.concatenate([a[3] for a in answers]),
-                "topk_logprobs": np.concatenate([a[2] for a in answers]),
-            }
-            meta = {
-                "key": key_sha,
-                "temperature": float(temp),
-                "shard": s,
-                "prompt_ids": shard_ids,
-                "finish_reasons": [a[1] for a in answers],
-                "timing": timing,
-            }  # timing includes compilation
-            write_atomic(out / name, shard_bytes(arrays, meta))
-            stats["shards_written"] += 1
-            bar.update(1)
-            if on_shard is not None:
-                on_shard(name)
-    finally:
-        bar.close()
-    stats["tokens_per_s"] = stats["gen_tokens"] / stats["gen_s"] if stats["gen_s"] else None
-    return {"out": str(out), "shards": len(jobs), **stats}
 
 
 # --- reading -----------------------------------------------------------------------------------
