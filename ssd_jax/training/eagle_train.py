@@ -13,6 +13,7 @@ chat template, against the target's own greedy continuations (:func:`evaluate_he
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -154,14 +155,10 @@ def train_head(
     (epochs over them) instead of running it in every step. ``head_mlp``: the layer's MLP width.
     ``init``: start from a trained head (a shipped name or a directory) instead of random weights."""
     import jax
-    import optax
-    from tqdm import tqdm
 
     from ssd_jax.drafters import eagle
     from ssd_jax.loading import load_model
     from ssd_jax.training.checkpoint import RunDir
-    from ssd_jax.training.corpus import train_batch
-    from ssd_jax.training.distill import distill_batch
     from ssd_jax.training.distill_data import load_distill_data
 
     target = load_model(target_name, dtype="float32")
@@ -180,6 +177,37 @@ def train_head(
     head = eagle.init_head(target.cfg, spec, seed=seed, mlp=head_mlp)
     if init is not None:
         head, recipe["init"] = warm_start(head, init, target, spec, ids)
+    _write_recipe(run, out, recipe, resume)
+    opt = _optimizer(lr, steps)
+    start, head, state = _restore(run, head, opt.init(head), resume, log)
+    step_fn = eagle.make_head_step(target.cfg, spec, depth, opt, cached=bool(cached_windows))
+    inputs = _step_inputs(
+        Path(out), target, spec, dd, steps=steps, batch=batch, corpus_rows=corpus_rows, seq_len=seq_len,
+        seed=seed, cached_windows=cached_windows, prompt_weight=prompt_weight, log=log,
+    )  # fmt: skip
+    ids_d = None if ids is None else jax.numpy.asarray(ids)
+    held = held_out_sequences(target, eval_prompts, 48) if eval_prompts else None
+    save_weights = functools.partial(save_head, Path(out) / HEAD_WEIGHTS, vocab_ids=ids, dtype=save_dtype)
+    head, train_s, toks_seen = _train_steps(
+        run, step_fn, inputs, head, state, target.params, ids_d, save_weights, recipe,
+        start=start, steps=steps, save_every=save_every,
+    )  # fmt: skip
+    summary = {"out": out, "steps": steps, "train_s": train_s, "scored_tokens": toks_seen,
+               "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
+    if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
+        from ssd_jax.analysis.kchoice import K_MAX
+
+        ev = evaluate_head(jax.device_get(head), target, spec, *held, k=K_MAX, ids=ids_d)
+        summary["held_out"] = ev
+        run.append_log({"eval": ev, "step": steps})
+        meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
+        save_weights(head, meta)
+    return summary
+
+
+def _write_recipe(run, out: str, recipe: dict[str, Any], resume: bool) -> None:
+    """The recipe written to the run directory's ``head.json``. A directory that holds a run is continued
+    only under ``resume`` with the same recipe (but ``steps``); anything else is refused in one line."""
     meta_path = Path(out) / HEAD_META
     if run.has_run() or meta_path.exists():
         if not resume:
@@ -191,47 +219,82 @@ def train_head(
             raise UserError(f"--resume with a different recipe ({', '.join(diff)}): use another --out")
     Path(out).mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(recipe, indent=1))
+
+
+def _optimizer(lr: float, steps: int):
+    """AdamW (no weight decay) with gradients clipped to norm 1, the learning rate warming up over the
+    first tenth of the steps (at most 100) and decaying to a tenth of ``lr`` by a cosine."""
+    import optax
+
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr * 0.1)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
-    state = opt.init(head)
-    start = 0
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
+
+
+def _restore(run, head, state, resume: bool, log):
+    """Where the run starts: (step, head, optimizer state), from the newest training state that restores
+    under ``resume``, else step 0 and the ones given."""
     if resume and (got := run.restore_latest(head, state)) is not None:
-        start, head, state = got
-        log(f"resumed at step {start}")
-    step_fn = eagle.make_head_step(target.cfg, spec, depth, opt, cached=bool(cached_windows))
+        log(f"resumed at step {got[0]}")
+        return got
+    return 0, head, state
+
+
+def _step_inputs(
+    out: Path,
+    target,
+    spec,
+    dd,
+    *,
+    steps,
+    batch,
+    corpus_rows,
+    seq_len,
+    seed,
+    cached_windows,
+    prompt_weight,
+    log,
+):
+    """The inputs of step ``s``, ``inputs(s)``: the stored (tokens, features, hidden, lse, top, weights) of
+    a feature cache's windows (``cached_windows``), or (tokens, weights) of the target's answers in
+    ``dd`` (``batch - corpus_rows`` rows) and the corpus's text (``corpus_rows`` rows)."""
+    from ssd_jax.training.corpus import train_batch, window_ids
+    from ssd_jax.training.distill import distill_batch
+
     if not 0 <= corpus_rows <= batch or (corpus_rows == batch and dd is not None):
         raise UserError(
             f"--corpus-rows must lie in 0..{batch - 1} (the rest of the batch is the target's answers)"
         )
-    cache = None
     if cached_windows:
         cache = _feature_cache(
-            Path(out), target, spec, dd, cached_windows, batch, corpus_rows, seq_len, seed, prompt_weight, log
+            out, target, spec, dd, cached_windows, batch, corpus_rows, seq_len, seed, prompt_weight, log
         )
-        n_stream = 0
-    else:
-        n_stream = steps * corpus_rows * seq_len + 1 if corpus_rows else 0
+        return lambda s: cache.batch(window_ids(s, seed, batch, cache.n))
+    n_stream = steps * corpus_rows * seq_len + 1 if corpus_rows else 0
     stream = corpus_stream(target, n_stream) if n_stream else None
-    ids_d = None if ids is None else jax.numpy.asarray(ids)
-    held = held_out_sequences(target, eval_prompts, 48) if eval_prompts else None
+
+    def inputs(s):
+        b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
+        tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
+        if stream is not None:  # corpus windows: every position scored (the target's p needs no next token)
+            c = train_batch(stream, s, seed, corpus_rows, seq_len)[:, :-1]
+            tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
+        return (tokens, w)
+
+    return inputs
+
+
+def _train_steps(
+    run, step_fn, inputs, head, state, target_params, ids_d, save_weights, recipe, *, start, steps, save_every
+):
+    """Steps ``start`` to ``steps``: logged every 10, saved (the training state and the head's file) every
+    ``save_every`` and at the end. Returns (head, seconds, scored tokens seen)."""
+    from tqdm import tqdm
+
     t0, toks_seen = time.perf_counter(), 0
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="eagle head", disable=None)
-    loss = stats = None
     for s in bar:
-        if cache is not None:  # (tokens, features, hidden, lse, top, weights) from the stored outputs
-            from ssd_jax.training.corpus import window_ids
-
-            args = cache.batch(window_ids(s, seed, batch, cache.n))
-        else:
-            b = distill_batch(dd, s, seed, batch - corpus_rows, seq_len)
-            tokens, w = b["tokens"][:, :-1], scored_positions(b, prompt_weight)
-            if (
-                stream is not None
-            ):  # corpus windows: every position scored (the target's p needs no next token)
-                c = train_batch(stream, s, seed, corpus_rows, seq_len)[:, :-1]
-                tokens, w = np.concatenate([tokens, c]), np.concatenate([w, np.ones(c.shape, np.float32)])
-            args = (tokens, w)
-        head, state, loss, stats = step_fn(head, state, target.params, *args, ids_d)
+        args = inputs(s)
+        head, state, loss, stats = step_fn(head, state, target_params, *args, ids_d)
         toks_seen += int((args[-1] > 0).sum())
         if (s + 1) % 10 == 0:
             st = {k: float(v) for k, v in stats.items()}
@@ -239,20 +302,8 @@ def train_head(
             run.append_log({"step": s + 1, "loss": float(loss), **st, "elapsed_s": time.perf_counter() - t0})
         if (s + 1) % save_every == 0 or s + 1 == steps:
             run.save(s + 1, head, state)
-            save_head(
-                Path(out) / HEAD_WEIGHTS, head, {**recipe, "step": s + 1}, vocab_ids=ids, dtype=save_dtype
-            )
-    summary = {"out": out, "steps": steps, "train_s": time.perf_counter() - t0, "scored_tokens": toks_seen,
-               "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
-    if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
-        from ssd_jax.analysis.kchoice import K_MAX
-
-        ev = evaluate_head(jax.device_get(head), target, spec, *held, k=K_MAX, ids=ids_d)
-        summary["held_out"] = ev
-        run.append_log({"eval": ev, "step": steps})
-        meta = {**recipe, "step": steps, "acceptance_by_position": ev["p_first_d_accepted"], "held_out": ev}
-        save_head(Path(out) / HEAD_WEIGHTS, head, meta, vocab_ids=ids, dtype=save_dtype)
-    return summary
+            save_weights(head, {**recipe, "step": s + 1})
+    return head, time.perf_counter() - t0, toks_seen
 
 
 def warm_start(head, src: str, target, spec, ids) -> tuple[dict, dict[str, Any]]:
