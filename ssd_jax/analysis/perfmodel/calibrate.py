@@ -327,55 +327,81 @@ def validate(paths: list[str], hw: Hardware | None = None) -> dict:
             if not r.get("generated_tokens") or r["wall_s"] <= r["ttft_s"]:
                 continue
             key = (Path(res["_path"]).name,) + group_key(r)
-            g = groups.setdefault(key, defaultdict(float))
-            b = int(r.get("batch_size", 1))
-            dtok = r["generated_tokens"] - b
-            dwall = r["wall_s"] - r["ttft_s"]
-            p = predict_row(hw, res, r)
-            steps = r.get("verify_steps") or r.get("steps") or max(1, dtok // b)
-            g["n"] += 1
-            g["dtok"] += dtok
-            g["dwall"] += dwall
-            g["pwall"] += dtok / p.throughput
-            if r["method"] != "ar" and "verify_steps" in r:
-                pa = predict_row(hw, res, r, iid_alpha=True)
-                g["pwall_iid"] += dtok / pa.throughput
-                g["steps"] += steps
-                g["m_verify"] += r["verify_s"]
-                g["p_verify"] += steps * p.parts["verify"]
-                dr = r.get("draft_exposed_s", r.get("draft_s", 0.0))
-                g["m_draft"] += dr
-                g["p_draft"] += steps * p.parts.get("draft_exposed", p.parts.get("draft", 0.0))
-            g["load"] += r["loadavg"][0] if r.get("loadavg") else 0.0
-            g["kind"] = method_kind(r)
-    out = []
-    for key, g in groups.items():
-        meas, pred = g["dtok"] / g["dwall"], g["dtok"] / g["pwall"]
-        row = {
-            "file": key[0],
-            "part": key[1],
-            "category": key[2],
-            "temperature": key[3],
-            "batch": key[4],
-            "method": key[5],
-            "kind": g["kind"],
-            "n": int(g["n"]),
-            "measured": meas,
-            "predicted": pred,
-            "rel_err": pred / meas - 1.0,
-            "load": g["load"] / g["n"],
-            "fitted": g["kind"] == "ngram" and key[4] == 1,
-        }
-        if g.get("pwall_iid"):
-            row["predicted_iid_alpha"] = g["dtok"] / g["pwall_iid"]
-        if g.get("steps"):
-            row.update(
-                m_verify_round=g["m_verify"] / g["steps"],
-                p_verify_round=g["p_verify"] / g["steps"],
-                m_draft_round=g["m_draft"] / g["steps"],
-                p_draft_round=g["p_draft"] / g["steps"],
-            )
-        out.append(row)
+            _add_to_group(groups.setdefault(key, defaultdict(float)), hw, res, r)
+    out = [_group_row(key, g) for key, g in groups.items()]
+    _add_ratios(out)
+    out.sort(
+        key=lambda r: (
+            r["file"],
+            r["part"],
+            r["batch"],
+            r["category"],
+            r["temperature"],
+            ["ar", "sd", "ngram", "ssd"].index(r["kind"]),
+            r["method"],
+        )
+    )
+    return {"hardware": dataclasses.asdict(hw), "calibration": cal, "groups": out, "summary": _summary(out)}
+
+
+def _add_to_group(g: defaultdict, hw: Hardware, res: dict, r: dict) -> None:
+    """Adds row ``r`` of results ``res`` to its group's sums: measured and predicted decode time (prefill
+    excluded) and, for SD / SSD rows with round counts, the measured and predicted verify / draft time."""
+    b = int(r.get("batch_size", 1))
+    dtok = r["generated_tokens"] - b
+    dwall = r["wall_s"] - r["ttft_s"]
+    p = predict_row(hw, res, r)
+    steps = r.get("verify_steps") or r.get("steps") or max(1, dtok // b)
+    g["n"] += 1
+    g["dtok"] += dtok
+    g["dwall"] += dwall
+    g["pwall"] += dtok / p.throughput
+    if r["method"] != "ar" and "verify_steps" in r:
+        pa = predict_row(hw, res, r, iid_alpha=True)
+        g["pwall_iid"] += dtok / pa.throughput
+        g["steps"] += steps
+        g["m_verify"] += r["verify_s"]
+        g["p_verify"] += steps * p.parts["verify"]
+        dr = r.get("draft_exposed_s", r.get("draft_s", 0.0))
+        g["m_draft"] += dr
+        g["p_draft"] += steps * p.parts.get("draft_exposed", p.parts.get("draft", 0.0))
+    g["load"] += r["loadavg"][0] if r.get("loadavg") else 0.0
+    g["kind"] = method_kind(r)
+
+
+def _group_row(key: tuple, g: dict) -> dict:
+    """A group's row of :func:`validate`: measured and predicted decode tok/s from its sums."""
+    meas, pred = g["dtok"] / g["dwall"], g["dtok"] / g["pwall"]
+    row = {
+        "file": key[0],
+        "part": key[1],
+        "category": key[2],
+        "temperature": key[3],
+        "batch": key[4],
+        "method": key[5],
+        "kind": g["kind"],
+        "n": int(g["n"]),
+        "measured": meas,
+        "predicted": pred,
+        "rel_err": pred / meas - 1.0,
+        "load": g["load"] / g["n"],
+        "fitted": g["kind"] == "ngram" and key[4] == 1,
+    }
+    if g.get("pwall_iid"):
+        row["predicted_iid_alpha"] = g["dtok"] / g["pwall_iid"]
+    if g.get("steps"):
+        row.update(
+            m_verify_round=g["m_verify"] / g["steps"],
+            p_verify_round=g["p_verify"] / g["steps"],
+            m_draft_round=g["m_draft"] / g["steps"],
+            p_draft_round=g["p_draft"] / g["steps"],
+        )
+    return row
+
+
+def _add_ratios(out: list[dict]) -> None:
+    """Each SD / SSD group's measured and predicted ratio to the AR group of the same setting (and an SSD
+    group's to the SD one)."""
     idx = {(r["file"], r["part"], r["category"], r["temperature"], r["batch"], r["method"]): r for r in out}
     for r in out:
         base = idx.get((r["file"], r["part"], r["category"], r["temperature"], r["batch"], "ar"))
@@ -395,18 +421,6 @@ def validate(paths: list[str], hw: Hardware | None = None) -> dict:
                     r["measured"] / sd[0]["measured"],
                     r["predicted"] / sd[0]["predicted"],
                 )
-    out.sort(
-        key=lambda r: (
-            r["file"],
-            r["part"],
-            r["batch"],
-            r["category"],
-            r["temperature"],
-            ["ar", "sd", "ngram", "ssd"].index(r["kind"]),
-            r["method"],
-        )
-    )
-    return {"hardware": dataclasses.asdict(hw), "calibration": cal, "groups": out, "summary": _summary(out)}
 
 
 # 1-minute load average at or below which a group counts as measured on a quiet machine: the

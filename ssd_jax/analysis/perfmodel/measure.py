@@ -29,13 +29,7 @@ def measure_forward(
     efficiency), then batched shapes. Rows are written to ``out`` after every measurement,
     so a timeout keeps what ran.
     """
-    import time
-
     import jax
-    import jax.numpy as jnp
-
-    from ssd_jax.models import llama
-    from ssd_jax.models.params import param_specs, unflatten
 
     configs = configs or MODEL_CONFIGS
     dev = jax.devices()[0]
@@ -49,34 +43,11 @@ def measure_forward(
         },
         "rows": [],
     }
-    params = {}
-    for name in names:
-        cfg = configs[name].replace(dtype=dtype)
-        flat = {
-            k: jnp.full(shape, 1.0 if k.endswith("norm") else 0.01, cfg.jnp_dtype)
-            for k, (shape, _) in param_specs(cfg).items()
-        }
-        params[name] = (cfg, unflatten(cfg, flat))
+    params = {name: _synthetic_params(configs[name].replace(dtype=dtype)) for name in names}
     for b, T in shapes:
         for name in names:
             cfg, p = params[name]
-
-            def fwd(p, cache, toks, cfg=cfg):
-                h, _ = llama.forward(p, cfg, toks, cache)
-                return llama.logits(p, cfg, h)  # every position, as a verify pass computes them
-
-            f = jax.jit(fwd)
-            cache = llama.init_cache(cfg, b, context + T)
-            cache = cache.with_lengths(jnp.full((b,), context, jnp.int32))
-            toks = jnp.zeros((b, T), jnp.int32)
-            t0 = time.perf_counter()
-            f(p, cache, toks).block_until_ready()
-            comp = time.perf_counter() - t0
-            ts = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                f(p, cache, toks).block_until_ready()
-                ts.append(time.perf_counter() - t0)
+            ts, comp = _time_forward(cfg, p, b, T, context, repeats)
             res["rows"].append(
                 {
                     "model": name,
@@ -97,3 +68,47 @@ def measure_forward(
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
                 Path(out).write_text(json.dumps(res, indent=1))
     return res
+
+
+def _synthetic_params(cfg: ModelConfig):
+    """(cfg, params) of a model of ``cfg`` with constant weights: norms 1, everything else 0.01."""
+    import jax.numpy as jnp
+
+    from ssd_jax.models.params import param_specs, unflatten
+
+    flat = {
+        k: jnp.full(shape, 1.0 if k.endswith("norm") else 0.01, cfg.jnp_dtype)
+        for k, (shape, _) in param_specs(cfg).items()
+    }
+    return cfg, unflatten(cfg, flat)
+
+
+def _time_forward(
+    cfg: ModelConfig, p, b: int, T: int, context: int, repeats: int
+) -> tuple[list[float], float]:
+    """One jitted forward pass of ``T`` tokens (logits included) over ``b`` rows after ``context`` cached
+    ones: (the seconds of each of ``repeats`` timed runs, the first run's (compilation included))."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from ssd_jax.models import llama
+
+    def fwd(p, cache, toks):
+        h, _ = llama.forward(p, cfg, toks, cache)
+        return llama.logits(p, cfg, h)  # every position, as a verify pass computes them
+
+    f = jax.jit(fwd)
+    cache = llama.init_cache(cfg, b, context + T)
+    cache = cache.with_lengths(jnp.full((b,), context, jnp.int32))
+    toks = jnp.zeros((b, T), jnp.int32)
+    t0 = time.perf_counter()
+    f(p, cache, toks).block_until_ready()
+    comp = time.perf_counter() - t0
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(p, cache, toks).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return ts, comp
