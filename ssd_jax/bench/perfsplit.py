@@ -453,6 +453,11 @@ def _short(name: str | None) -> str:
 
 def render_split(v: dict) -> str:
     """The markdown of :func:`validate_split`: fitted constants, the per-cell table, the error summary."""
+    return "\n".join(_fit_section(v) + _cells_section(v) + _error_section(v)) + "\n"
+
+
+def _fit_section(v: dict) -> list[str]:
+    """The split's fit: its rules and residual, and each constant's preset and fitted value."""
     hw, base, rep, sp = v["hardware"], v["base"], v["fit"], v["split"]
     n_in = sum(c["in_sample"] for c in v["cells"])
     consts = {
@@ -482,7 +487,12 @@ def render_split(v: dict) -> str:
     for key, (label, scale, unit) in consts.items():
         mark = " (fitted)" if key in rep["fitted"] else ""
         out.append(f"| {label}{mark} | {base[key] * scale:.3g} {unit} | {hw[key] * scale:.3g} {unit} |")
-    out += [
+    return out
+
+
+def _cells_section(v: dict) -> list[str]:
+    """Predicted against measured decode tok/s, one row per cell."""
+    out = [
         "",
         "### Predicted vs measured decode tok/s, per cell",
         "",
@@ -510,7 +520,12 @@ def render_split(v: dict) -> str:
             f"| {c['batch']} | {cat} | {c['method']} | {c['k'] or '-'} | {c['prompts']} / {c['runs']} | {meas} "
             f"| {pred} | {_pct(c['rel_err'])} | {inci} | {tpr} | {c['load']:.1f} |"
         )
-    out += [
+    return out
+
+
+def _error_section(v: dict) -> list[str]:
+    """The absolute relative errors per sample (in / out) and method, then the held-out cells' by group."""
+    out = [
         "",
         "### Error summary",
         "",
@@ -543,7 +558,7 @@ def render_split(v: dict) -> str:
             f"| {label} | {e.size} | {_abs_pct(float(np.max(np.abs(e))))} | {_abs_pct(float(np.mean(np.abs(e))))} "
             f"| {_pct(float(np.mean(e)))} |"
         )
-    return "\n".join(out) + "\n"
+    return out
 
 
 def update_block(doc: str | os.PathLike, text: str, name: str = "split") -> bool:

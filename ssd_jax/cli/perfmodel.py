@@ -19,7 +19,7 @@ from ssd_jax.bench import perfsplit
 from ssd_jax.cli.args import Parser
 
 
-def main(argv=None) -> int:
+def build_parser() -> Parser:
     p = Parser(prog="python -m ssd_jax.perfmodel", description=pm.__doc__.split("\n")[0])
     p.add_argument(
         "--validate",
@@ -67,6 +67,11 @@ def main(argv=None) -> int:
         "docs/performance.md) with fresh tables; --validate FILES feeds its validation block",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of markdown tables")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     doc: dict[str, Any] = {}
     md: list[str] = []
@@ -76,14 +81,7 @@ def main(argv=None) -> int:
     if a.measure:
         doc["measure"] = pm.measure_forward(a.measure, dtype=a.dtype, out=a.out)
     if a.update_doc:
-        pm.update_doc(a.update_doc, a.validate or [])
-        if a.validate_split and not perfsplit.update_block(
-            a.update_doc, perfsplit.render_split(perfsplit.validate_split(a.validate_split)), "split"
-        ):
-            print(f"{a.update_doc} has no <!-- perfmodel:split --> block", file=sys.stderr)
-            return 1
-        print(f"updated {a.update_doc}", file=sys.stderr)
-        return 0
+        return _update_doc(a)
     hw_override = pm.get_hardware(a.hardware) if a.hardware else None
     if a.validate:
         v = pm.validate(a.validate, hw_override)
@@ -98,23 +96,9 @@ def main(argv=None) -> int:
         doc["forward_fit"] = {"hardware": dataclasses.asdict(hw_override), **rep}
         md.append(pm.render_forward_fit(hw_override, rep))
     for what in a.predict:
-        if what == "paper":
-            hw = hw_override or HARDWARE["h100-sxm"]
-            d = pm.predict_paper(hw)
-            sens = pm.paper_sensitivity(hw)
-            doc["paper"] = {**d, "sensitivity": [{"label": s["label"], **s["d"]} for s in sens]}
-            md.append(pm.render_paper(d, sens))
-        else:
-            paths = a.acceptance_from
-            if paths is None:
-                here = Path("experiments/results")
-                paths = [
-                    str(x) for x in sorted(here.glob("sd_cpu*.json")) + sorted(here.glob("ssd_cpu*.json"))
-                ]
-            results = [pm.load_results(x) for x in paths]
-            d = pm.predict_qwen(hw_override or HARDWARE["h200"], results=results, batch=a.batch)
-            doc["qwen_h200"] = d
-            md.append(pm.render_qwen(d))
+        key, d, table = _predict(what, a, hw_override)
+        doc[key] = d
+        md.append(table)
     if not (
         a.validate or a.validate_split or a.predict or a.measure or a.calibrate_forward or a.show_hardware
     ):
@@ -125,6 +109,38 @@ def main(argv=None) -> int:
     else:
         print("\n".join(md))
     return 0
+
+
+def _update_doc(a) -> int:
+    """``--update-doc``: the generated blocks of the markdown file (the split's with ``--validate-split``)."""
+    pm.update_doc(a.update_doc, a.validate or [])
+    if a.validate_split and not perfsplit.update_block(
+        a.update_doc, perfsplit.render_split(perfsplit.validate_split(a.validate_split)), "split"
+    ):
+        print(f"{a.update_doc} has no <!-- perfmodel:split --> block", file=sys.stderr)
+        return 1
+    print(f"updated {a.update_doc}", file=sys.stderr)
+    return 0
+
+
+def _predict(what: str, a, hw_override) -> tuple[str, dict[str, Any], str]:
+    """``--predict WHAT``: (its key in the JSON output, the prediction, its markdown table)."""
+    if what == "paper":
+        hw = hw_override or HARDWARE["h100-sxm"]
+        d = pm.predict_paper(hw)
+        sens = pm.paper_sensitivity(hw)
+        return (
+            "paper",
+            {**d, "sensitivity": [{"label": s["label"], **s["d"]} for s in sens]},
+            pm.render_paper(d, sens),
+        )
+    paths = a.acceptance_from
+    if paths is None:
+        here = Path("experiments/results")
+        paths = [str(x) for x in sorted(here.glob("sd_cpu*.json")) + sorted(here.glob("ssd_cpu*.json"))]
+    results = [pm.load_results(x) for x in paths]
+    d = pm.predict_qwen(hw_override or HARDWARE["h200"], results=results, batch=a.batch)
+    return "qwen_h200", d, pm.render_qwen(d)
 
 
 if __name__ == "__main__":
