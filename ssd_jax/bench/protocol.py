@@ -228,9 +228,8 @@ def method_specs(
                 label = Path(ref.rstrip("/")).name or ref
                 if labels.setdefault(label, ref) != ref:
                     raise UserError(f"drafts {labels[label]!r} and {ref!r} would both be named {label!r}")
-                if (
-                    ref not in loaded
-                ):  # an EAGLE head stays a reference: the engine loads it beside the target
+                # an EAGLE head stays a reference: the engine loads it beside the target
+                if ref not in loaded:
                     loaded[ref] = load_draft(ref) if load_draft is not None and not is_eagle(ref) else ref
                 d, suffix = loaded[ref], f"{suffix}@{label}"
             if d is None:
@@ -280,6 +279,8 @@ def run_protocol(
     this process takes part in (None: all; the others are skipped), the processes meet before each
     run of a method in ``meet`` (those that span processes), and only the process with ``write``
     records rows."""
+    from tqdm import tqdm
+
     if "ar" not in runners:
         raise UserError("the protocol needs an 'ar' runner: every ratio is against it")
     if repeats < 1 or not units:
@@ -288,23 +289,8 @@ def run_protocol(
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = read_rows(path)
+    _check_resumable(path, old, units, batch, new_tokens)
     done = {_key(r) for r in old if r.get("kind") == "run"}
-    idents = {
-        (r["batch_size"], r["category"], r["prompt_index"]): r["unit"] for r in old if r.get("kind") == "run"
-    }
-    for r in old:
-        c = r.get("config", {}) if r.get("kind") == "env" else {}
-        if c.get("batch_size") == batch and c.get("new_tokens") != new_tokens:
-            raise UserError(
-                f"{path} holds runs of {c.get('new_tokens')} new tokens at batch {batch}, not "
-                f"{new_tokens}: use a new file"
-            )
-    for u in units:
-        prev = idents.get((batch, u.category, u.index))
-        if prev is not None and prev != u.ident:
-            raise UserError(
-                f"{path} holds other prompts for {u.category}[{u.index}] at batch {batch}: use a new file"
-            )
     todo = [
         (r, pos, u, m)
         for r in range(repeats)
@@ -327,42 +313,18 @@ def run_protocol(
         row = {"kind": "env", "time": time.time(), "config": config, **environment(), **(env_extra or {})}
         append_row(path, row)
     if warmup:
-        for name, run in runners.items():
-            if local is not None and name not in local:
-                continue
-            if name in meet:
-                _meet(name)
-            t = time.perf_counter()
-            warm = getattr(run, "warm", None)
-            shapes = warm(units, new_tokens) if warm else (run(units[0].prompts, new_tokens), 1)[1]
-            print(f"warm-up {name}: {shapes} shape(s), {time.perf_counter() - t:.1f} s", flush=True)
-    bar = _bar(len(todo), progress)
+        _warm_up(runners, units, new_tokens, local, meet)
+    bar = tqdm(total=len(todo), disable=not progress, unit="run")
     for r, pos, u, name in todo:
         if local is not None and name not in local:
             bar.update(1)
             continue
-        order_now = run_order(list(runners), pos, r, order, seed)
+        position = run_order(list(runners), pos, r, order, seed).index(name)
         if name in meet:  # a run across processes: meet before it (process 0 ran others meanwhile)
             _meet(name)
         before = os.getloadavg()[0]
         m = runners[name](u.prompts, new_tokens)
-        row = {
-            "kind": "run",
-            "batch_size": batch,
-            "category": u.category,
-            "prompt_index": u.index,
-            "unit": u.ident,
-            "repeat": r,
-            "method": name,
-            "position": order_now.index(name),
-            "new_tokens": new_tokens,
-            "loadavg_before": before,
-            "loadavg_after": os.getloadavg()[0],
-            "time": time.time(),
-            **{k: v for k, v in m.items() if k != "token_ids"},
-        }
-        if "token_ids" in m:
-            row["tokens_sha"] = _sha(m["token_ids"])
+        row = _run_row(u, batch, r, name, position, new_tokens, before, m)
         if write:
             append_row(path, row)
         bar.update(1)
@@ -371,31 +333,69 @@ def run_protocol(
     return path
 
 
+def _check_resumable(path: Path, old: list[dict], units: Sequence[Unit], batch: int, new_tokens: int) -> None:
+    """Refuses a results file whose runs at this batch size had another number of new tokens, or other
+    prompts for one of ``units``."""
+    idents = {
+        (r["batch_size"], r["category"], r["prompt_index"]): r["unit"] for r in old if r.get("kind") == "run"
+    }
+    for r in old:
+        c = r.get("config", {}) if r.get("kind") == "env" else {}
+        if c.get("batch_size") == batch and c.get("new_tokens") != new_tokens:
+            raise UserError(
+                f"{path} holds runs of {c.get('new_tokens')} new tokens at batch {batch}, not "
+                f"{new_tokens}: use a new file"
+            )
+    for u in units:
+        prev = idents.get((batch, u.category, u.index))
+        if prev is not None and prev != u.ident:
+            raise UserError(
+                f"{path} holds other prompts for {u.category}[{u.index}] at batch {batch}: use a new file"
+            )
+
+
+def _warm_up(runners: dict[str, Callable], units: Sequence[Unit], new_tokens: int, local, meet) -> None:
+    """Compiles every method this process runs on every shape of ``units`` (a runner without ``warm``: one
+    run of the first unit)."""
+    for name, run in runners.items():
+        if local is not None and name not in local:
+            continue
+        if name in meet:
+            _meet(name)
+        t = time.perf_counter()
+        warm = getattr(run, "warm", None)
+        shapes = warm(units, new_tokens) if warm else (run(units[0].prompts, new_tokens), 1)[1]
+        print(f"warm-up {name}: {shapes} shape(s), {time.perf_counter() - t:.1f} s", flush=True)
+
+
+def _run_row(u: Unit, batch: int, repeat: int, method: str, position: int, new_tokens: int, before: float, m):
+    """The results row of one timed run: where it ran, the load average before and after, the runner's
+    metrics ``m`` (its token ids kept as a hash)."""
+    row = {
+        "kind": "run",
+        "batch_size": batch,
+        "category": u.category,
+        "prompt_index": u.index,
+        "unit": u.ident,
+        "repeat": repeat,
+        "method": method,
+        "position": position,
+        "new_tokens": new_tokens,
+        "loadavg_before": before,
+        "loadavg_after": os.getloadavg()[0],
+        "time": time.time(),
+        **{k: v for k, v in m.items() if k != "token_ids"},
+    }
+    if "token_ids" in m:
+        row["tokens_sha"] = _sha(m["token_ids"])
+    return row
+
+
 def _meet(name: str) -> None:
     """Under the hardware-fair protocol, the processes meet before each run both take part in."""
     from ssd_jax.parallel.distributed import wait_for_peers
 
     wait_for_peers(f"protocol/{name}")
-
-
-def _bar(total: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, disable=not enabled, unit="run")
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-
-        class _Null:
-            def update(self, _n):
-                pass
-
-            def set_postfix_str(self, _s):
-                pass
-
-            def close(self):
-                pass
-
-        return _Null()
 
 
 # --- the report ------------------------------------------------------------------------------
