@@ -38,7 +38,7 @@ def _suite_defaults(args, argv, defaults: dict) -> None:
             setattr(args, attr, val)
 
 
-def main(argv=None) -> int:
+def build_parser() -> Parser:
     p = Parser(prog="python -m ssd_jax.bench")
     p.add_argument(
         "--suite",
@@ -106,60 +106,78 @@ def main(argv=None) -> int:
         help="protocol: run as one process of a jax.distributed run (set by python -m ssd_jax.launch ... "
         "bench): the hardware-fair protocol, SSD's draft in process 1, every other method in process 0",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.sweep or args.report or args.suite in ("smoke", "paper"):
-        given = argv if argv is not None else sys.argv[1:]
-        override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
-
-        def go(_):
-            if args.sweep or args.report:
-                path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
-                written = " and ".join(str(x) for x in sweep.report(path) if x)
-            else:
-                written = sweep.run_suite(args.suite, args.out, **override)
-            print(f"wrote {written}", file=sys.stderr)
-            return 0
-
-        return cli_main(go, None)
+        return _sweeps(args, argv)
     if args.render:
         suites.rerender(args.render)
         return 0
     if args.protocol_report:
         print(f"wrote {protocol.write_report(args.protocol_report)}", file=sys.stderr)
         return 0
-    if args.suite in (
-        "protocol",
-        "acceptance",
-    ):  # the protocol's defaults (acceptance: K = 4, not a batch size)
-        from ssd_jax.bench import acceptance
-
-        own = {"--ks": ("ks", [4])} if args.suite == "acceptance" else {"--batch-sizes": ("batch_sizes", [1])}
-        _suite_defaults(
-            args,
-            argv,
-            {
-                "--n-prompts": ("n_prompts", 8),
-                "--categories": ("categories", list(protocol.CATEGORIES)),
-                "--new-tokens": ("new_tokens", 64),
-                **own,
-            },
-        )
-        mod = acceptance if args.suite == "acceptance" else protocol
-
-        def go(_):
-            print(f"wrote {mod.suite(args)}", file=sys.stderr)
-            return 0
-
-        if args.distributed and args.suite == "protocol":
-            from ssd_jax.cli.decode import run_distributed
-
-            return run_distributed(go, args)
-        return cli_main(go, None)
+    if args.suite in ("protocol", "acceptance"):
+        return _protocol_suite(args, argv)
     if args.distributed:
         raise SystemExit("error: --distributed runs the protocol suite only (--suite protocol)")
     if args.child_ar:
         print(json.dumps(suites.ar_one(args.child_ar, args.new_tokens, args.dtype, args.repeats)))
         return 0
+    return _method_suite(args, argv)
+
+
+def _sweeps(args, argv) -> int:
+    """``--sweep`` (run or resume one, then its report), ``--report`` (a sweep's report) or the sweep
+    suites ``smoke`` / ``paper`` (``--target`` / ``--draft``, when given, override theirs)."""
+    given = argv if argv is not None else sys.argv[1:]
+    override = {k: getattr(args, k) for k in ("target", "draft") if f"--{k}" in given}
+
+    def go(_):
+        if args.sweep or args.report:
+            path = sweep.run_sweep(args.sweep, args.out) if args.sweep else args.report
+            written = " and ".join(str(x) for x in sweep.report(path) if x)
+        else:
+            written = sweep.run_suite(args.suite, args.out, **override)
+        print(f"wrote {written}", file=sys.stderr)
+        return 0
+
+    return cli_main(go, None)
+
+
+def _protocol_suite(args, argv) -> int:
+    """Suites ``protocol`` and ``acceptance``, with the protocol's defaults (acceptance: K = 4, not a
+    batch size); ``--distributed``: one process of the hardware-fair protocol."""
+    from ssd_jax.bench import acceptance
+
+    own = {"--ks": ("ks", [4])} if args.suite == "acceptance" else {"--batch-sizes": ("batch_sizes", [1])}
+    _suite_defaults(
+        args,
+        argv,
+        {
+            "--n-prompts": ("n_prompts", 8),
+            "--categories": ("categories", list(protocol.CATEGORIES)),
+            "--new-tokens": ("new_tokens", 64),
+            **own,
+        },
+    )
+    mod = acceptance if args.suite == "acceptance" else protocol
+
+    def go(_):
+        print(f"wrote {mod.suite(args)}", file=sys.stderr)
+        return 0
+
+    if args.distributed and args.suite == "protocol":
+        from ssd_jax.cli.decode import run_distributed
+
+        return run_distributed(go, args)
+    return cli_main(go, None)
+
+
+def _method_suite(args, argv) -> int:
+    """Suites ``ar``, ``sd`` and ``ssd``: the results JSON and its markdown table."""
     if args.suite in ("sd", "ssd") and "--new-tokens" not in (argv or sys.argv):
         args.new_tokens = 64
     res = {"ar": suites.suite_ar, "sd": suites.suite_sd, "ssd": suites.suite_ssd}[args.suite](args)
