@@ -72,7 +72,6 @@ def curve(
     ``records`` (held-out prompts) where a snapshot exists and ``target`` is given. ``cached``: an
     earlier result of this run (its measurements are reused); ``save(partial)`` is called after
     each new measurement."""
-    from ssd_jax.bench import acceptance
     from ssd_jax.loading import draft as dfmt
 
     run = Path(run)
@@ -118,34 +117,39 @@ def curve(
             if (s, sha) in old:
                 p["sd"] = old[(s, sha)]
             elif target is not None and records:
-                from ssd_jax.bench.common import load_draft
-
                 log(f"{run.name} step {s}: SD acceptance at T = {temperature:g}, K = {k}")
-                res = acceptance.measure(
-                    target,
-                    load_draft(str(snaps[s]), target),
-                    records,
-                    temperatures=(temperature,),
-                    ks=(k,),
-                    new_tokens=new_tokens,
-                    chat=chat,
-                )
-                allc = next(c for c in res["cells"] if c["category"] == "all")
-                p["sd"] = {
-                    "k": k,
-                    "temperature": temperature,
-                    "acceptance": allc["acceptance"],
-                    "tokens_per_round": allc["tokens_per_round"],
-                    "at_least": allc["at_least"],
-                    "rounds": allc["rounds"],
-                    "by_category": {
-                        c["category"]: c["acceptance"] for c in res["cells"] if c["category"] != "all"
-                    },
-                }
+                p["sd"] = _sd_acceptance(target, snaps[s], records, k, temperature, new_tokens, chat)
                 if save is not None:
                     save({**head, "points": points + [p]})
         points.append(p)
     return head
+
+
+def _sd_acceptance(target, snapshot: Path, records, k: int, temperature: float, new_tokens: int, chat: bool):
+    """SD's acceptance with the draft ``snapshot`` on ``records`` at one (temperature, K): over all of
+    them, with its tokens per round, P(at least d accepted), rounds, and by category."""
+    from ssd_jax.bench import acceptance
+    from ssd_jax.bench.common import load_draft
+
+    res = acceptance.measure(
+        target,
+        load_draft(str(snapshot), target),
+        records,
+        temperatures=(temperature,),
+        ks=(k,),
+        new_tokens=new_tokens,
+        chat=chat,
+    )
+    allc = next(c for c in res["cells"] if c["category"] == "all")
+    return {
+        "k": k,
+        "temperature": temperature,
+        "acceptance": allc["acceptance"],
+        "tokens_per_round": allc["tokens_per_round"],
+        "at_least": allc["at_least"],
+        "rounds": allc["rounds"],
+        "by_category": {c["category"]: c["acceptance"] for c in res["cells"] if c["category"] != "all"},
+    }
 
 
 def render(curves: Sequence[dict[str, Any]]) -> str:

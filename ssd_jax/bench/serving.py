@@ -455,20 +455,8 @@ def run(argv=None) -> int:
     jsonl, md = out.with_suffix(".jsonl"), out.with_suffix(".md")
     methods = [parse_method(m) for m in a.methods]
     if a.report_only:
-        rows = read_results(jsonl)
-        md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
-        print(f"wrote {md}")
-        return 0
-    from ssd_jax.bench.protocol import category_prompts
-
-    # distinct prompts for every (repeat, rate) cell and the warm-up (a prompt seen before would be found
-    # whole in the prefix cache); the same ones for every method of a cell
-    cells = a.repeats * len(a.rates)
-    per = -(-(cells * a.requests + a.warmup) // len(a.categories))
-    per_cat = [[r["prompt"] for r in category_prompts(c, per)] for c in a.categories]
-    prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
-    if any(not isinstance(p, str) for p in prompts):
-        raise UserError("the serving benchmark sends text prompts; a category gave token ids")
+        return _report(jsonl, md)
+    prompts = _prompts(a)
     rows = read_results(jsonl)
     done = {(r["method"], r["rate"], r["repeat"]) for r in rows if r.get("kind") == "load"}
     env = _env(a)
@@ -507,29 +495,47 @@ def run(argv=None) -> int:
                 )
             )
             print(f"{name}: ready on {s.url}", file=sys.stderr)
-        names = list(servers)
-        for rep in range(a.repeats):
-            for ri, rate in enumerate(a.rates):
-                arrivals = poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
-                order = names[(rep + ri) % len(names) :] + names[: (rep + ri) % len(names)]
-                for name in order:
-                    if (name, rate, rep) in done:
-                        continue
-                    c = (rep * len(a.rates) + ri) * a.requests
-                    _measure_cell(
-                        jsonl,
-                        servers[name],
-                        name,
-                        rate,
-                        rep,
-                        a,
-                        prompts[c : c + a.requests],
-                        arrivals,
-                        system,
-                    )
+        _measure_cells(jsonl, servers, a, prompts, system, done)
     finally:
         for s in servers.values():
             s.stop()
+    return _report(jsonl, md)
+
+
+def _prompts(a) -> list[str]:
+    """Distinct prompts for every (repeat, rate) cell and the warm-up (a prompt seen before would be found
+    whole in the prefix cache), categories alternating; cell ``c`` takes ``a.requests`` of them from
+    ``c * a.requests``, the same ones for every method, and the warm-up the last ``a.warmup``."""
+    from ssd_jax.bench.protocol import category_prompts
+
+    cells = a.repeats * len(a.rates)
+    per = -(-(cells * a.requests + a.warmup) // len(a.categories))
+    per_cat = [[r["prompt"] for r in category_prompts(c, per)] for c in a.categories]
+    prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
+    if any(not isinstance(p, str) for p in prompts):
+        raise UserError("the serving benchmark sends text prompts; a category gave token ids")
+    return prompts
+
+
+def _measure_cells(jsonl: Path, servers: dict[str, Server], a, prompts, system: str | None, done) -> None:
+    """Every (repeat, rate) cell not ``done``, its methods in an order rotated per cell; each cell's
+    arrivals are seeded by (seed, repeat, rate), the same for every method."""
+    names = list(servers)
+    for rep in range(a.repeats):
+        for ri, rate in enumerate(a.rates):
+            arrivals = poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
+            order = names[(rep + ri) % len(names) :] + names[: (rep + ri) % len(names)]
+            for name in order:
+                if (name, rate, rep) in done:
+                    continue
+                c = (rep * len(a.rates) + ri) * a.requests
+                _measure_cell(
+                    jsonl, servers[name], name, rate, rep, a, prompts[c : c + a.requests], arrivals, system
+                )
+
+
+def _report(jsonl: Path, md: Path) -> int:
+    """The markdown report of the results in ``jsonl``, written to ``md``."""
     rows = read_results(jsonl)
     md.write_text(render(rows, next((r for r in rows if r.get("kind") == "env"), {})))
     print(f"wrote {md}")

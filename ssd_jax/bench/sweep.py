@@ -476,18 +476,27 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
         raise UserError(f"no results in {p}")
     if rows[0].get("kind") == "oracle":
         return _report_oracle(p, rows)
-    cats = sorted({r["config"]["category"] for r in rows})
-    base = {
-        (r["config"]["category"], r["config"]["batch_size"], r["config"]["temperature"]): r[
-            "decode_tokens_per_s"
-        ]
-        for r in rows
-        if r["config"]["method"] == "ar"
-    }
+    lines = _speed_table(p, rows) + _breakdown_table(rows, _label)
+    md = p.with_suffix(".md")
+    extra_png = saguaro_plot(p, rows, plt)
+    md.write_text(
+        "\n".join(lines)
+        + f"\n\n![decode tok/s]({p.stem}.png)\n"
+        + (f"\n![cache hit rate against acceptance]({extra_png.name})\n" if extra_png else "")
+    )
+    return md, _speed_plot(p, rows, plt)
 
-    def label(c):
-        return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("category",))
 
+def _label(c: dict[str, Any]) -> str:
+    """A configuration's name in the report: its settings but the category."""
+    return " ".join(f"{k}={v}" for k, v in c.items() if k not in ("category",))
+
+
+def _speed_table(p: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """The report's header and decode-speed table: per configuration and category, tok/s (per sequence,
+    per device, against AR at the same category, batch size and temperature), acceptance, cache hits."""
+    at = lambda c: (c["category"], c["batch_size"], c["temperature"])
+    base = {at(r["config"]): r["decode_tokens_per_s"] for r in rows if r["config"]["method"] == "ar"}
     e = rows[0]["env"]
     lines = [
         f"# Sweep {p.stem}",
@@ -507,29 +516,27 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
 
     for r in rows:
         c = r["config"]
-        b = base.get((c["category"], c["batch_size"], c["temperature"]))
+        b = base.get(at(c))
         lines.append(
-            f"| {label(c)} | {c['category']} | {r['prompts']} | {r['decode_tokens_per_s']:.2f} "
+            f"| {_label(c)} | {c['category']} | {r['prompts']} | {r['decode_tokens_per_s']:.2f} "
             f"| {r['decode_tokens_per_s'] / c['batch_size']:.2f} "
             f"| {f(r['decode_tokens_per_s'] / b if b else None)} | {r['tokens_per_s_per_device']:.2f} "
             f"| {f(r.get('acceptance_rate'))} | {f(r.get('mean_acceptance_length'))} "
             f"| {f(r.get('cache_hit_rate'))} | {f(r.get('tau_hit'))} | {f(r.get('tau_miss'))} "
             f"| {r['env']['loadavg'][0]:.2f} |"
         )
-    lines += _breakdown_table(rows, label)
-    md = p.with_suffix(".md")
-    extra_png = saguaro_plot(p, rows, plt)
-    md.write_text(
-        "\n".join(lines)
-        + f"\n\n![decode tok/s]({p.stem}.png)\n"
-        + (f"\n![cache hit rate against acceptance]({extra_png.name})\n" if extra_png else "")
-    )
+    return lines
 
-    labels = list(dict.fromkeys(label(r["config"]) for r in rows))
+
+def _speed_plot(p: Path, rows: list[dict[str, Any]], plt) -> Path:
+    """``<results>.png``: decode tok/s per configuration, a bar per category."""
+    cats = sorted({r["config"]["category"] for r in rows})
+    e = rows[0]["env"]
+    labels = list(dict.fromkeys(_label(r["config"]) for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(cats) / 2), 4))
     width = 0.8 / max(len(cats), 1)
     for i, cat in enumerate(cats):
-        vals = {label(r["config"]): r["decode_tokens_per_s"] for r in rows if r["config"]["category"] == cat}
+        vals = {_label(r["config"]): r["decode_tokens_per_s"] for r in rows if r["config"]["category"] == cat}
         ax.bar(
             [j + i * width for j in range(len(labels))],
             [vals.get(lb, 0.0) for lb in labels],
@@ -545,7 +552,7 @@ def report(results_path: str | os.PathLike) -> tuple[Path, Path | None]:
     png = p.with_suffix(".png")
     fig.savefig(png, dpi=120)
     plt.close(fig)
-    return md, png
+    return png
 
 
 BREAKDOWN = ("draft_s", "verify_s", "sample_s", "overhead_s")
