@@ -7,7 +7,8 @@ Dependencies run one way, lowest first:
 
 A module may import its own layer and the layers below it, never above; there are no import
 cycles; no module imports a private (``_name``) from another; the package face
-(``ssd_jax/__init__.py``) is imported only by its clients (bench, cli, serve); no file is over 600 lines.
+(``ssd_jax/__init__.py``) is imported only by its clients (bench, cli, serve); no file is over 600 lines
+and no function over 80 (nested functions counted on their own too).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ SHIMS = {
     "ssd_jax.data.__main__",
 }
 MAX_LINES = 600
+#: the longest a function may be, ``def`` line to last line (its decorators aside): a longer one is split
+#: into pieces with names of their own
+MAX_FUNCTION_LINES = 80
 
 
 def _modules() -> dict[str, Path]:
@@ -153,3 +157,14 @@ def test_no_file_over_the_limit():
         if (n := sum(1 for _ in p.open())) > MAX_LINES
     }
     assert big == {}
+
+
+def test_no_function_over_the_limit():
+    long = [
+        f"{p.relative_to(PKG.parent)}:{node.name}:{n}"
+        for p in MODS.values()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    ]
+    assert long == []
