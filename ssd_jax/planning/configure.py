@@ -1,430 +1,266 @@
-"""``--k auto``: choose K from a short measurement on this machine, cached on disk.
+"""The planner's one entry: :func:`configure` turns the user's spec into the spec the engine runs, and a
+:class:`Plan` that says what was measured, what was predicted and what was chosen.
 
-:func:`resolve_k` turns ``SpecConfig(k="auto")`` into an integer K before the method's loop
-runs (for SD it also hands the loop a :class:`~ssd_jax.analysis.kchoice.KPlan`, with which the
-loop chooses K again after every round from the run's own acceptance). The choice maximises the expected speedup (:mod:`ssd_jax.analysis.kchoice`)::
+``generate()``, the server and the benchmarks (through ``generate()``) call it once per run, before the
+method is built. What it decides, in order, each step reading only what the steps before it produced:
 
-    S(K) = E(α, K) · t_ar / (c_round + K · t_draft_step + t_verify(K + 1)),   K in 1..8
+1. **the draft**: an EAGLE-style head (its K from its own acceptance curve, :mod:`.head_model`), a draft
+   model, or the n-gram / random drafters;
+2. **the draft's variant** (``draft_dtype`` / ``draft_vocab`` "auto", :mod:`.variants`): each variant
+   worth trying is calibrated (:class:`.records.Calibrator`, cached on disk) and priced by its method's
+   round model; the fastest is kept;
+3. **K** (``k="auto"``): SD's S(K) (:mod:`.sd_model`) or SSD's round model (:mod:`.ssd_model`, which
+   also chooses the fan-out budget), from the chosen variant's calibration;
+4. **the policy** the engine asks every round (:mod:`.policy`): SD on one device re-chooses K from its
+   own acceptance (per batch bucket in a server, K = 0 where nothing pays); SSD in a one-device server
+   runs AR rounds at the buckets where its timed round does not pay.
 
-from one calibration (:func:`calibrate`) made at the run's batch size B. The target first continues
-every built-in prompt greedily (:data:`N_GEN` tokens after :data:`P_LEN` prompt ids, one row
-each whatever B: raw code and prose, :data:`CAL_TEXTS`, and chat requests in the model's chat
-template, :data:`CAL_CHATS`; seeded token ids for a model without a tokenizer); acceptance is
-measured on those rows, the costs at B rows:
-
-* ``t_ar``: median time of the target's compiled one-token decode step (:data:`TIMED_STEPS`
-  steps of B rows);
-* ``t_verify(K+1)``: median time of the compiled verify forward (``sd.target_score``) at K + 1
-  tokens per row for K in :data:`VERIFY_KS`; the other K are linearly interpolated;
-* ``t_draft_step``: the draft model's compiled one-token forward with its logits (0 for n-gram /
-  random);
-* ``c_round``: the host's n-gram lookup for the batch (0 for model / random drafts);
-* ``α``: the draft's GREEDY acceptance on the target's greedy continuation, by an offline
-  simulation of SD rounds at K = 8 (the draft's argmax on the target's tokens, teacher-forced
-  in one forward; n-gram: the lookup itself), as the maximum-likelihood estimate of a
-  geometric acceptance: accepted / (accepted + rejections). Random proposals: α = 1/V (the
-  chance that a uniform token is the target's argmax). Sampled runs use the same α.
-  :data:`ALPHA_PRIOR` is used (``alpha_source: "prior"``) only when the continuation gives no
-  evidence (a context window too short to calibrate in).
-
-The measurement is stored as JSON under ``$SSD_JAX_KAUTO_CACHE`` (default
-``<cache root>/kauto``; the cache root is ``$SSD_JAX_CACHE`` or ``~/.cache/ssd_jax``), one file
-per (device kind, jax version, target, draft, batch size; on CPU also the kernels' build and the number of cores the process may use), written atomically (temporary file,
-then rename). The target and a draft model are identified by a hash of their config and of a
-slice of their weights. K is recomputed from the stored α and costs, so the same cache gives the
-same K (and a seeded run the same tokens). Delete the file (or the folder), or set
-``SSD_JAX_KAUTO_RECALIBRATE=1``, to measure again.
+Across processes every process measures, and all take process 0's choices (fixed K).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import sys
 import time
-import uuid
-from pathlib import Path
 
-import jax
-import numpy as np
-
-from ssd_jax.analysis.kchoice import K_MAX, BucketPlans, KPlan, best_k, expected_speedups, interpolate_verify
-from ssd_jax.decoding.calibration import ALPHA_PRIOR, CAL_TEXTS, calibrate, draft_part, target_part
 from ssd_jax.drafters.base import check_same_tokenizer
-from ssd_jax.loading.registry import cache_root
+from ssd_jax.drafters.eagle import is_eagle, load_eagle
 from ssd_jax.errors import UserError
-from ssd_jax.models import kernels
 from ssd_jax.parallel.distributed import agree, multi_process
+from ssd_jax.planning.head_model import choose_head_k
+from ssd_jax.planning.policy import BucketPlans, BucketSwitch, KPlan
+from ssd_jax.planning.records import Calibration, Calibrator
+from ssd_jax.planning.sd_model import best_k, speedups_of
+from ssd_jax.planning.variants import (
+    apply_variant,
+    draft_variants,
+    fixed_variant,
+    forget_unchosen,
+    measure_variants,
+    ssd_best,
+    two_meshes,
+)
 
-__all__ = [
-    "ALPHA_PRIOR",
-    "CAL_TEXTS",
-    "calibrate",
-    "choose_draft_variant",
-    "draft_variants",
-    "kauto_dir",
-    "resolve_k",
-]
-
-FORMAT = 2
-
-
-def kauto_dir() -> Path:
-    return Path(os.environ.get("SSD_JAX_KAUTO_CACHE") or cache_root() / "kauto").expanduser()
-
-
-def _fingerprint(model) -> str:
-    h = hashlib.sha256(repr(model.cfg).encode())
-    emb = model.params["embed"] if isinstance(model.params, dict) and "embed" in model.params else None
-    leaf = emb if emb is not None else jax.tree.leaves(model.params)[0]
-    h.update(np.asarray(leaf[:4]).tobytes())  # weights, not only the shape, decide α
-    return h.hexdigest()[:16]
+__all__ = ["Plan", "configure"]
 
 
-def _draft_desc(spec, draft, rand_vocab: int) -> dict:
-    if spec.draft == "ngram":
-        return {"kind": "ngram", "n_min": spec.prompt_lookup_min, "n_max": spec.prompt_lookup_max}
-    if spec.draft == "random":
-        return {"kind": "random", "vocab": rand_vocab}
-    from ssd_jax.drafters.vocab import head_vocab
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run's automatic choices rest on. ``measured``: the calibration (α, stage costs, cache or
+    measured, its file); ``predicted``: the models' expected speedups; ``chosen``: K, the draft's
+    variant, SSD's budget, the per-bucket policy. ``k_auto`` / ``draft_auto``: the same, in the run
+    metrics' older form."""
 
-    # the weights' dtype and the head's size name the variant (a trimmed head shares the embedding)
-    return {
-        "kind": "model",
-        "model": _fingerprint(draft),
-        "weight_dtype": draft.cfg.weight_dtype,
-        "head": head_vocab(draft),
-    }
+    method: str
+    chosen: dict
+    measured: dict | None = None
+    predicted: dict | None = None
+    calibration_s: float = 0.0
+    k_auto: dict | None = None
+    draft_auto: dict | None = None
 
+    def to_json(self) -> dict:
+        return {
+            "method": self.method,
+            "chosen": self.chosen,
+            "measured": self.measured,
+            "predicted": self.predicted,
+            "calibration_s": self.calibration_s,
+            "line": self.line(),
+        }
 
-def _key(model, desc: dict, batch: int) -> tuple[dict, str]:
-    dev = jax.devices()[0]
-    fields = {
-        "format": FORMAT,
-        "platform": dev.platform,
-        "device_kind": dev.device_kind,
-        "jax": jax.__version__,
-        "target": _fingerprint(model),
-        "draft": desc,
-        "batch": batch,
-    }
-    if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code and the cores allowed
-        fields["kernels"] = kernels.build_id()
-        fields["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _rand_vocab(model) -> int:
-    tok = model.tokenizer
-    return tok.vocab_size if tok is not None else model.cfg.vocab_size
-
-
-def _ssd_rows(batch: int) -> tuple[int, ...]:
-    """Row counts at which SSD's calibration times a draft step (its build runs B·M rows a step)."""
-    return tuple(sorted({batch, 4 * batch, 12 * batch, 28 * batch}))
-
-
-def _needs_rows(spec, draft) -> bool:
-    return spec.method == "ssd" and draft is not None
-
-
-def _record(model, spec, draft, batch: int, target: dict) -> tuple[dict, str, Path]:
-    """(the calibration record of this target / draft / batch, "cache" or "measured", its file).
-    ``target`` memoises the target's side of a measurement across the drafts measured in one call.
-    SSD needs the draft's step at several row counts: a record made for SD is measured again."""
-    rand_vocab = _rand_vocab(model)
-    fields, key = _key(model, _draft_desc(spec, draft, rand_vocab), batch)
-    path = kauto_dir() / f"{key}.json"
-    rec = _read(path)
-    rows = _ssd_rows(batch) if _needs_rows(spec, draft) else ()
-    complete = rec is not None and (not rows or "t_draft_rows" in rec["costs"])
-    if complete and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
-        return rec, "cache", path
-    if ("part", batch) not in target:  # the continuation is the same at every batch size: made once
-        target[("part", batch)] = target_part(model, batch, seq=target.get("seq"))
-        target["seq"] = target[("part", batch)]["seq"]
-    rec = {**fields, **draft_part(spec, draft, target[("part", batch)], rand_vocab, rows)}
-    _write_atomic(path, rec)
-    return rec, "measured", path
+    def line(self) -> str:
+        """One line: e.g. ``plan: sd K=4 adaptive (1: K=4 1.52x, 8: K=0 (AR)); alpha 0.71 (cache);
+        t_ar 12.1 ms, t_verify(K+1) 14.0 ms, draft step 3.1 ms; expected 1.52x AR; draft bfloat16/32768``."""
+        c = self.chosen
+        out = f"plan: {self.method}"
+        if self.method == "ar":
+            return out
+        out += f" K={c['k']}" + (" (auto)" if self.k_auto else " (given)")
+        if c.get("by_bucket"):
+            out += f" by running rows {c['by_bucket']}"
+        elif c.get("adaptive"):
+            out += " adaptive"
+        if c.get("fan_out_budget") is not None:
+            out += f" budget={c['fan_out_budget']}"
+        m, p = self.measured or {}, self.predicted or {}
+        if "alpha" in m:
+            out += f"; alpha {m['alpha']:.2f} ({m['source']})"
+        if "t_ar" in m:
+            out += f"; t_ar {1e3 * m['t_ar']:.2f} ms, t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
+            if m.get("t_draft_step"):
+                out += f", draft step {1e3 * m['t_draft_step']:.2f} ms"
+        if p.get("expected_speedup") is not None:
+            out += f"; expected {p['expected_speedup']:.2f}x AR"
+        if p.get("variants"):
+            dt, dv = c.get("draft_dtype") or "target dtype", c.get("draft_vocab") or "full head"
+            out += f"; draft {dt}/{dv} of {len(p['variants'])} variants"
+        return out
 
 
-def _two_meshes(spec) -> bool:
-    return spec.target_devices is not None or spec.draft_devices is not None
+def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False):
+    """(the spec the engine runs: a loaded draft as it will run, integer K, its policy; the :class:`Plan`).
+
+    ``rows``: the batch the run's cost is measured at (a server's slots); ``load``: how a draft named by
+    a string is loaded; ``buckets``: the engine's batch buckets (a plan per bucket for SD on one
+    device); ``serving``: a server (SSD on one device gets its per-bucket switch)."""
+    if is_eagle(spec.draft):
+        return _configure_head(model, spec, rows)
+    calibrator = Calibrator(model)
+    spec, draft_auto, variant_s = _choose_variant(calibrator, spec, rows, load)
+    spec, k_auto, cal, policy = _choose_k(calibrator, spec, rows, buckets, serving)
+    if k_auto is not None and multi_process() and two_meshes(spec):  # all take process 0's K, fixed
+        budget = spec.fan_out_budget
+        spec = dataclasses.replace(
+            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
+        )
+        policy = None
+    plan = _plan(spec, cal, k_auto, draft_auto, policy, variant_s + (k_auto or {}).get("calibration_s", 0.0))
+    return spec, plan
 
 
-def _ssd_plans(rec: dict, spec, batch: int) -> list[dict]:
-    """SSD's candidate rounds (:func:`.ssd.plan.round_plans`) within what the spec fixes: a given K,
-    a given fan-out budget or uniform fan-out, budgets that divide over the draft devices."""
-    from ssd_jax.decoding.ssd.plan import M_PER_POSITION, round_plans
-
-    ks = range(1, K_MAX + 1) if spec.k == "auto" else [int(spec.k)]
-    n_dd = (spec.draft_devices or 1) if _two_meshes(spec) else 1
-    budgets = {}
-    for k in ks:
-        if spec.fan_out != "geometric":
-            budgets[k] = [int(spec.fan_out) * (k + 1)]
-        elif spec.fan_out_budget is not None:
-            budgets[k] = [int(spec.fan_out_budget)]
-        else:
-            budgets[k] = sorted({-(-m * (k + 1) // n_dd) * n_dd for m in M_PER_POSITION})
-    return round_plans(rec, batch, _two_meshes(spec), ks, budgets)
-
-
-def _ssd_best(rec: dict, spec, batch: int) -> dict | None:
-    """SSD's best round plan for this record (:func:`.ssd.plan.best_plan`), or None for SD or a
-    record without the draft's step at several row counts."""
-    if spec.method != "ssd" or "t_draft_rows" not in rec["costs"]:
-        return None
-    from ssd_jax.decoding.ssd.plan import best_plan
-
-    plans = _ssd_plans(rec, spec, batch)
-    return best_plan(plans) if plans else None
-
-
-def _score(rec: dict, spec, batch: int) -> tuple[int, float]:
-    """(K, expected speedup over AR) of the best round for ``spec``'s method: SD's K model
-    (:func:`ssd_jax.analysis.kchoice.expected_speedups`), or SSD's round model."""
-    if (b := _ssd_best(rec, spec, batch)) is not None:
-        return b["k"], b["expected_speedup"]
-    sp = _speedups(rec)
-    k = best_k(sp) if spec.k == "auto" else int(spec.k)
-    return k, sp.get(k, max(sp.values()))
-
-
-def _speedups(rec: dict) -> dict[int, float]:
-    c = rec["costs"]
-    return expected_speedups(
-        rec["alpha"],
-        c["t_ar"],
-        interpolate_verify({int(k): v for k, v in c["t_verify"].items()}),
-        c["t_draft_step"],
-        c["c_round"],
-    )
-
-
-def _bucket_plan(model, spec, draft, bucket: int, full, batch: int, target: dict) -> tuple[int, KPlan]:
-    """(bucket, its plan): the calibration at ``bucket`` rows (``full``, the plan at ``batch``, for it)."""
-    if bucket == batch:
-        return bucket, full
-    rec, _, _ = _record(model, spec, draft, bucket, target)
-    return bucket, KPlan.from_costs(rec["alpha"], rec["costs"], best_k(_speedups(rec)), zero=True)
-
-
-def resolve_k(model, spec, sampling, batch: int, load, target: dict | None = None, buckets=()):
-    """(spec with an integer k, the ``k_auto`` metric or None, seconds spent) for a run of ``batch`` rows.
-
-    Only ``k == "auto"`` with SD / SSD does anything; a draft named by a string is loaded here
-    (once: the loaded model goes into the returned spec). ``buckets``: the engine's batch buckets; with
-    several, one-device SD gets a plan per bucket (:class:`~ssd_jax.analysis.kchoice.BucketPlans`),
-    each calibrated at that many rows."""
-    if spec.k != "auto":
-        return spec, None, 0.0
-    if spec.method == "ar":
-        return dataclasses.replace(spec, k=1), None, 0.0  # AR ignores k
-    draft = None
-    if spec.draft not in ("ngram", "random"):
-        draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
-        check_same_tokenizer(model, draft)
-        spec = dataclasses.replace(spec, draft=draft)
-    t0 = time.perf_counter()
-    target = {} if target is None else target
-    rec, source, path = _record(model, spec, draft, batch, target)
-    c = rec["costs"]
-    sp = _speedups(rec)
-    k = best_k(sp)
-    extra: dict = {}
-    if (best := _ssd_best(rec, spec, batch)) is not None:  # SSD prices its own round: K and the budget
-        k = best["k"]
-        if spec.fan_out == "geometric" and spec.fan_out_budget is None:
-            spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
-        extra = {"ssd_plan": best, "ssd_overlap_model": _two_meshes(spec)}
-    # SD re-chooses K each round from its own acceptance (kchoice.OnlineK), K = 0 (an AR round) among the
-    # candidates, and by the running rows' batch bucket when the engine has several; SSD's fan-out fixes K
-    plan = None
-    if spec.method == "sd":
-        plan = KPlan.from_costs(rec["alpha"], c, k, zero=True)
-        if len(buckets) > 1 and not _two_meshes(spec):
-            plan = BucketPlans(
-                tuple(_bucket_plan(model, spec, draft, b, plan, batch, target) for b in buckets)
-            )
-    info = {
-        **extra,
-        "alpha": rec["alpha"],
-        "alpha_source": rec["alpha_source"],
-        "costs": c,
-        "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()},
-        "source": source,
-        "cache_file": str(path),
-        "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0,
-    }
-    return dataclasses.replace(spec, k=k, k_plan=plan), info, info["calibration_s"]
-
-
-def target_costs(model, batch: int) -> tuple[dict, str, Path]:
-    """(the target's ``t_ar`` and ``t_verify`` at ``batch`` rows, "cache" or "measured", the cache file):
-    the target's side of a calibration alone, for drafts that are priced without one of their own (an
-    EAGLE-style head, :mod:`ssd_jax.decoding.kauto_head`); cached like every calibration."""
-    from ssd_jax.decoding.calibration import target_part
-
-    fields, key = _key(model, {"kind": "target-costs"}, batch)
-    path = kauto_dir() / f"{key}.json"
-    rec = _read(path)
-    if rec is not None and not os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"):
-        return rec["costs"], "cache", path
-    part = target_part(model, batch)
-    costs = {"t_ar": part["t_ar"], "t_verify": {str(k): v for k, v in part["t_verify"].items()}}
-    _write_atomic(path, {**fields, "costs": costs})
-    return costs, "measured", path
-
-
-# --- the draft's variant: weight dtype and head size -----------------------------------------
-
-#: a draft whose weight matrices stream fewer bytes than this per step is not offered bfloat16
-#: weights: its weights stay in the caches, so halving them saves nothing (and tiny test models
-#: are not calibrated twice)
-BF16_MIN_BYTES = 32 << 20
-#: the head size tried for a draft with a large, untrimmed vocabulary (a 152k-token head is most
-#: of a 0.5B draft's bytes per step; 32,768 tokens cover ~99% of the offline corpus)
-TRIM_TRY = 32768
-
-
-def _streamed_bytes(draft) -> int:
-    """Bytes of weight matrices one draft step reads: the embedding counts only as a tied head."""
-    p = draft.params
-    n = sum(
-        x.size * x.dtype.itemsize
-        for k, v in p.items()
-        if k != "embed"
-        for x in jax.tree.leaves(v)
-        if x.ndim >= 2
-    )
-    if draft.cfg.tie_embeddings and "head" not in p:  # no trimmed head of its own: the embedding is the head
-        n += p["embed"].size * p["embed"].dtype.itemsize
-    return int(n)
-
-
-def draft_variants(model, spec, draft) -> list[tuple[str | None, int | None]]:
-    """The (draft_dtype, draft_vocab) pairs worth measuring for ``draft`` under ``model``: each
-    "auto" field becomes the choices that can pay on this hardware, a given one stays as given.
-
-    * dtype: the target's (None) and, for a float32 target whose draft streams at least
-      :data:`BF16_MIN_BYTES` of matrices a step, "bfloat16" (on CPU only where the kernels that
-      widen bfloat16 in registers run: XLA:CPU's own mixed dot is 10-20x slower);
-    * vocabulary: the full head (None) and, for a draft whose untrimmed head has more than
-      2 x :data:`TRIM_TRY` tokens, :data:`TRIM_TRY` (exact either way: q is 0 outside the head)."""
-    from ssd_jax.drafters.vocab import head_vocab
-
-    if spec.draft_dtype != "auto":
-        dtypes = [spec.draft_dtype]
-    else:
-        dtypes = [None]
-        on_cpu = jax.devices()[0].platform == "cpu"
-        if (
-            model.cfg.dtype == "float32"
-            and draft.cfg.weight_dtype in (None, "float32")
-            and _streamed_bytes(draft) >= BF16_MIN_BYTES
-            and (not on_cpu or kernels.available())
-        ):
-            dtypes.append("bfloat16")
-    if spec.draft_vocab != "auto":
-        vocabs = [spec.draft_vocab]
-    else:
-        vocabs = [None]
-        if head_vocab(draft) is None and draft.cfg.vocab_size > 2 * TRIM_TRY:
-            vocabs.append(TRIM_TRY)
-    return [(d, v) for d in dtypes for v in vocabs]
-
-
-def _forget_others(draft, variants, chosen) -> None:
-    """Free the variants measured but not chosen (a 0.5B draft's copies cost GBs of host memory)."""
-    from ssd_jax.loading.loaded import forget_derived, with_weight_dtype
-
-    for dt, dv in variants:
-        if (dt, dv) == chosen:
-            continue
-        base = with_weight_dtype(draft, dt) if dt is not None else draft
-        if dv is not None:
-            forget_derived(base, f"vocab:{dv}")
-        if dt is not None and dt != chosen[0]:
-            forget_derived(draft, f"dtype:{dt}")
-
-
-def choose_draft_variant(model, spec, batch: int, load, target: dict | None = None):
-    """Resolve ``draft_dtype="auto"`` / ``draft_vocab="auto"`` (the defaults) for this target, draft,
-    batch size and machine: the variant (:func:`draft_variants`) whose calibrated expected speedup
-    (the best over K for ``k="auto"``, else at the given K) is largest. Every variant is exact; only
-    speed and acceptance differ, and the calibration measures both (α is measured with the variant's
-    own head). The measurements are cached as ``k="auto"``'s are, so the choice is made once.
-
-    Returns (spec with concrete ``draft_dtype`` / ``draft_vocab`` and the loaded draft, the
-    ``draft_auto`` metric or None, seconds spent measuring)."""
-    if spec.draft_dtype != "auto" and spec.draft_vocab != "auto":
-        return spec, None, 0.0
+def _choose_variant(calibrator: Calibrator, spec, rows: int, load):
+    """(spec with a concrete ``draft_dtype`` / ``draft_vocab`` and, for a draft model, the loaded draft
+    as it will run; the ``draft_auto`` record or None; seconds spent measuring)."""
     if spec.method == "ar" or spec.draft is None or spec.draft in ("ngram", "random"):
-        dt = None if spec.draft_dtype == "auto" else spec.draft_dtype
-        dv = None if spec.draft_vocab == "auto" else spec.draft_vocab
+        dt, dv = fixed_variant(spec)
         return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), None, 0.0
-    from ssd_jax.drafters.vocab import trimmed_draft
-    from ssd_jax.loading.loaded import with_weight_dtype
-
+    model = calibrator.model
     draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
     check_same_tokenizer(model, draft)
     spec = dataclasses.replace(spec, draft=draft)
+    info, spent = None, 0.0
     variants = draft_variants(model, spec, draft)
-    if len(variants) == 1:
-        (dt, dv), info, spent = variants[0], None, 0.0
+    if "auto" not in (spec.draft_dtype, spec.draft_vocab) or len(variants) == 1:
+        dt, dv = variants[0]
     else:
-        t0, target = time.perf_counter(), {} if target is None else target
-        rows, measured = [], False
-        for dt, dv in variants:
-            v = with_weight_dtype(draft, dt) if dt is not None else draft
-            if dv is not None:
-                try:
-                    v = trimmed_draft(v, dv, load)
-                except (OSError, UserError) as e:  # e.g. no corpus to count tokens on: skip the variant
-                    print(f"warning: draft vocabulary {dv} not tried ({e})", file=sys.stderr)
-                    continue
-            rec, source, _ = _record(model, dataclasses.replace(spec, draft=v), v, batch, target)
-            measured |= source == "measured"
-            k, s = _score(rec, spec, batch)
-            rows.append(
-                {
-                    "draft_dtype": dt,
-                    "draft_vocab": dv,
-                    "alpha": rec["alpha"],
-                    "t_draft_step": rec["costs"]["t_draft_step"],
-                    "k": k,
-                    "expected_speedup": round(s, 4),
-                }
-            )
-        best = max(rows, key=lambda r: r["expected_speedup"])
-        if multi_process() and _two_meshes(spec):  # a run across processes: all take process 0's choice
-            best = rows[agree(rows.index(best))]
+        t0 = time.perf_counter()
+        measured_rows, measured = measure_variants(calibrator, spec, draft, rows, load)
+        best = max(measured_rows, key=lambda r: r["expected_speedup"])
+        if multi_process() and two_meshes(spec):  # a run across processes: all take process 0's choice
+            best = measured_rows[agree(measured_rows.index(best))]
         dt, dv = best["draft_dtype"], best["draft_vocab"]
-        _forget_others(draft, variants, (dt, dv))
+        forget_unchosen(draft, model, spec, (dt, dv))
         spent = time.perf_counter() - t0 if measured else 0.0
-        info = {"chosen": {"draft_dtype": dt, "draft_vocab": dv}, "variants": rows, "calibration_s": spent}
-    return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), info, spent
+        info = {
+            "chosen": {"draft_dtype": dt, "draft_vocab": dv},
+            "variants": measured_rows,
+            "calibration_s": spent,
+        }
+    spec = dataclasses.replace(spec, draft=apply_variant(draft, dt, dv, load), draft_dtype=dt, draft_vocab=dv)
+    return spec, info, spent
 
 
-def _read(path: Path):
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) and rec.get("format") == FORMAT and "costs" in rec else None
+def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
+    """(spec with an integer K, its policy and SSD's budget; the ``k_auto`` record or None; the
+    calibration or None; the policy or None)."""
+    if spec.k != "auto":
+        return spec, None, None, spec.k_plan
+    if spec.method == "ar":
+        return dataclasses.replace(spec, k=1), None, None, None  # AR ignores k
+    t0 = time.perf_counter()
+    draft = spec.draft if spec.draft not in ("ngram", "random") else None
+    cal = calibrator.record(spec, draft, rows)
+    sp = speedups_of(cal)
+    k, extra = best_k(sp), {}
+    if (best := ssd_best(cal, spec, rows)) is not None:  # SSD prices its own round: K and the budget
+        k = best["k"]
+        if spec.fan_out == "geometric" and spec.fan_out_budget is None:
+            spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
+        extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec)}
+    policy = None
+    if spec.method == "sd":  # K re-chosen every round (K = 0 an AR round), per bucket in a server
+        policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True)
+        if len(buckets) > 1 and not two_meshes(spec):
+            policy = BucketPlans(
+                tuple(_bucket_plan(calibrator, spec, draft, b, policy, rows) for b in buckets)
+            )
+    elif serving and extra and not two_meshes(spec):  # SSD's K and budget fix its tree: AR rounds or K
+        policy = BucketSwitch(int(k), float(best["tokens_per_round"]), cal.alpha)
+    info = {
+        **extra,
+        "alpha": cal.alpha,
+        "alpha_source": cal.alpha_source,
+        "costs": cal.costs.to_json(),
+        "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()},
+        "source": cal.source,
+        "cache_file": str(cal.path),
+        "calibration_s": time.perf_counter() - t0 if cal.source == "measured" else 0.0,
+    }
+    return dataclasses.replace(spec, k=k, k_plan=policy), info, cal, policy
 
 
-def _write_atomic(path: Path, rec: dict) -> None:
-    """Temporary file, then rename: readers see the old file, the new one or none, never half of one.
-    An unwritable cache is not an error (the run goes on with what it measured)."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        print(f"warning: k=auto calibration not cached ({e})", file=sys.stderr)
+def _bucket_plan(calibrator: Calibrator, spec, draft, bucket: int, full: KPlan, rows: int):
+    """(bucket, its plan): the calibration at ``bucket`` rows (``full``, the plan at ``rows``, for it)."""
+    if bucket == rows:
+        return bucket, full
+    cal = calibrator.record(spec, draft, bucket)
+    return bucket, KPlan.from_costs(cal.alpha, cal.costs, best_k(speedups_of(cal)), zero=True)
+
+
+def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: float) -> Plan:
+    chosen = {"k": None if spec.method == "ar" else int(spec.k)}
+    if spec.method != "ar":
+        chosen.update(draft_dtype=spec.draft_dtype, draft_vocab=spec.draft_vocab, adaptive=policy is not None)
+    if spec.method == "ssd":
+        chosen["fan_out_budget"] = spec.fan_out_budget
+    if isinstance(policy, BucketPlans):
+        chosen["by_bucket"] = policy.summary()
+    measured = predicted = None
+    if cal is not None:
+        c = cal.costs
+        tv = c.t_verify.get(int(spec.k), max(c.t_verify.values()))
+        measured = {
+            "alpha": cal.alpha,
+            "alpha_source": cal.alpha_source,
+            "t_ar": c.t_ar,
+            "t_verify": tv,
+            "t_draft_step": c.t_draft_step,
+            "source": cal.source,
+            "cache_file": str(cal.path),
+        }
+    if k_auto is not None:
+        ssd = k_auto.get("ssd_plan")
+        predicted = {
+            "expected_speedup": ssd["expected_speedup"]
+            if ssd
+            else k_auto["expected_speedup_by_k"].get(str(spec.k)),
+            "expected_speedup_by_k": k_auto["expected_speedup_by_k"],
+        }
+        if ssd:
+            predicted["ssd_round"] = ssd
+    if draft_auto is not None:
+        predicted = {**(predicted or {}), "variants": draft_auto["variants"]}
+    return Plan(spec.method, chosen, measured, predicted, spent, k_auto, draft_auto)
+
+
+def _configure_head(model, spec, rows: int):
+    """An EAGLE-style head as the draft: its K from its acceptance curve (:mod:`.head_model`); no weight
+    variants (its vocabulary and dtype are fixed in training). One-line errors for what a head does not
+    do yet."""
+    if spec.method not in ("sd", "ssd"):
+        raise UserError(f"an EAGLE head drafts for --method sd or ssd, not {spec.method}")
+    if spec.method == "ssd" and spec.backup not in ("auto", "neural"):
+        raise UserError(f"SSD with an EAGLE head has the neural backup only (not --backup {spec.backup})")
+    for opt, v in (("--draft-vocab", spec.draft_vocab), ("--draft-dtype", spec.draft_dtype)):
+        if v not in (None, "auto"):
+            raise UserError(
+                f"{opt} does not apply to an EAGLE head (its vocabulary and dtype are fixed in training)"
+            )
+    info = None
+    if spec.k == "auto":
+        head, meta = load_eagle(model, spec.draft)
+        k, info = choose_head_k(model, head, meta, rows)
+    else:
+        k = int(spec.k)
+    spec = dataclasses.replace(spec, k=k, k_plan=None, draft_dtype=None, draft_vocab=None)
+    measured = predicted = None
+    if info is not None and "t_ar" in info:
+        measured = {"acceptance_by_position": info["acceptance_by_position"], "t_ar": info["t_ar"],
+                    "t_head": info["t_head"], "source": info["source"], "cache_file": info["cache_file"]}  # fmt: skip
+        predicted = {
+            "expected_speedup": info["expected_speedup_by_k"][str(k)],
+            "expected_speedup_by_k": info["expected_speedup_by_k"],
+        }
+    chosen = {"k": k, "draft": "eagle head", "adaptive": False}
+    return spec, Plan(spec.method, chosen, measured, predicted, (info or {}).get("calibration_s", 0.0), info)

@@ -1,24 +1,22 @@
-"""Choosing K (speculative tokens per round) from an acceptance rate and measured stage costs.
+"""K policies: the K of each round of a run, from the plan made at start-up and the run's own acceptance.
 
-The expected speedup of SD over AR with K draft tokens per round (SDSL's γ*-style choice, with
-measured costs in place of the law's parameter counts)::
+Every policy answers the same two questions (:class:`KPolicy`): ``k_for(bucket, alpha)``, the K of a
+round over ``bucket`` running rows at acceptance ``alpha`` (0: an AR round, the draft idle), and
+``ks_at(bucket)``, every K such a round may run (the programs to compile). Three implement it:
 
-    S(K) = E(α, K) · t_ar / (c_round + K · t_draft_step + t_verify(K + 1))
+* :class:`KPlan`: SD's S(K) (:mod:`ssd_jax.planning.sd_model`) over one calibration, as a lookup table
+  on an α grid;
+* :class:`BucketPlans`: one ``KPlan`` per batch bucket, each calibrated at that many rows;
+* :class:`BucketSwitch`: SSD in a server on one device: its calibrated K, or AR rounds at the buckets
+  where its timed round does not pay.
 
-``E(α, K) = (1 − α^(K+1)) / (1 − α)`` (:func:`ssd_jax.analysis.sdsl.expected_tokens`), ``t_ar``
-one target decode step, ``t_verify(M)`` one target forward over M tokens per row, ``t_draft_step``
-one draft step (0 for n-gram and random proposals) and ``c_round`` the round's fixed cost (the
-host's n-gram lookup; 0 otherwise). Pure arithmetic: the measuring is done by
-:mod:`ssd_jax.decoding.kauto`.
-
-A calibration's α comes from a short fixed continuation and can be far from a given prompt's
-(a continuation accepted in full gives α = 1, which asks for the largest K on a chat prompt that
-accepts 0.4). :class:`OnlineK` therefore chooses K again after every round, among
-:data:`ADAPTIVE_KS`, from α re-estimated on the run's own rounds: the same geometric
-maximum-likelihood estimate as the calibration's, accepted / (accepted + rejections), with the
-calibration's α as a prior worth :data:`PRIOR_WEIGHT` proposals. K is then a function of
-earlier rounds' outcomes only, so every round is still an exact SD round: the output
-distribution does not change, and a seeded run gives the same tokens every time.
+A calibration's α comes from a short fixed continuation and can be far from a given prompt's (a
+continuation accepted in full gives α = 1, which asks for the largest K on a chat prompt that accepts
+0.4). :class:`OnlineK` therefore re-estimates α on the run's own rounds after every round read: the same
+geometric maximum-likelihood estimate as the calibration's, accepted / (accepted + rejections), with the
+calibration's α as a prior worth :data:`PRIOR_WEIGHT` proposals. K is then a function of earlier rounds'
+outcomes only, so every round is still an exact SD round: the output distribution does not change, and
+a seeded run gives the same tokens every time.
 """
 
 from __future__ import annotations
@@ -27,25 +25,25 @@ import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
-from ssd_jax.analysis.sdsl import expected_tokens
+from ssd_jax.decoding.spec import K_MAX
+from ssd_jax.planning.sd_model import best_k, expected_speedups, interpolate_verify
 
 __all__ = [
     "ADAPTIVE_KS",
     "BucketPlans",
+    "BucketSwitch",
+    "EXPLORE_EVERY",
     "K_MAX",
     "KPlan",
+    "KPolicy",
     "OnlineK",
     "PRIOR_WEIGHT",
-    "expected_speedups",
-    "best_k",
-    "interpolate_verify",
 ]
 
-#: K is chosen among 1..K_MAX
-K_MAX = 8
 #: the K an adaptive run switches between (each is one compiled round program), plus the calibrated K
 ADAPTIVE_KS = (1, 2, 4, 8)
 #: the calibration's α counts as this many proposals in the online estimate
@@ -57,46 +55,39 @@ GRID = 1000
 EXPLORE_EVERY = 64
 
 
-def interpolate_verify(measured: Mapping[int, float], ks=range(1, K_MAX + 1)) -> dict[int, float]:
-    """t_verify(K+1) for every K in ``ks`` from the K values measured (piecewise linear in K, flat
-    beyond the measured range). Keys of ``measured`` are K (the forward is over K + 1 tokens)."""
-    xs = sorted(int(k) for k in measured)
-    if not xs:
-        raise ValueError("need at least one measured verify time")
-    ys = [float(measured[k]) for k in xs]
-    return {int(k): float(np.interp(k, xs, ys)) for k in ks}
+class KPolicy(Protocol):
+    """What the engine asks of a plan, round by round."""
+
+    #: the calibrated acceptance (the online estimate's prior)
+    alpha: float
+
+    @property
+    def ks(self) -> tuple[int, ...]: ...
+
+    def k_for(self, bucket: int | None, alpha: float) -> int:
+        """The K of a round over ``bucket`` running rows at acceptance ``alpha`` (0: an AR round)."""
+        ...
+
+    def explore_k(self, bucket: int | None, alpha: float) -> int:
+        """The best K > 0 there (what a round that explores runs where :meth:`k_for` says 0)."""
+        ...
+
+    def ks_at(self, bucket: int | None) -> set[int]:
+        """Every K a round over ``bucket`` rows may run, exploring rounds included."""
+        ...
 
 
-def expected_speedups(
-    alpha: float,
-    t_ar: float,
-    t_verify: Mapping[int, float],
-    t_draft_step: float = 0.0,
-    c_round: float = 0.0,
-    ks=range(1, K_MAX + 1),
-) -> dict[int, float]:
-    """S(K) for each K in ``ks`` (``t_verify`` keyed by K, as from :func:`interpolate_verify`)."""
-    if t_ar <= 0:
-        raise ValueError(f"t_ar must be > 0, got {t_ar}")
-    out = {}
-    for k in ks:
-        round_s = c_round + k * t_draft_step + t_verify[k]
-        out[int(k)] = float(expected_tokens(alpha, k) * t_ar / round_s)
-    return out
-
-
-def best_k(speedups: Mapping[int, float]) -> int:
-    """The K of the largest S(K); ties go to the smallest K (fewer wasted draft tokens)."""
-    best = max(speedups.values())
-    return min(k for k, s in speedups.items() if s >= best * (1 - 1e-12))
+def _grid(alpha: float) -> int:
+    return int(round(min(max(alpha, 0.0), 1.0) * GRID))
 
 
 @dataclasses.dataclass(frozen=True)
 class KPlan:
-    """What ``k="auto"`` measured (α and the stage costs), kept to choose K again during a run.
+    """SD's plan from one calibration: α and the stage costs, kept to choose K again during a run.
 
-    ``t_verify``: (K, t_verify(K + 1)) pairs for K in 1..K_MAX (as :func:`interpolate_verify`
-    gives them); ``ks``: the K values the run may switch between."""
+    ``t_verify``: (K, t_verify(K + 1)) pairs for K in 1..K_MAX (as :func:`interpolate_verify` gives
+    them); ``ks``: the K values the run may switch between; ``zero``: K = 0 (a plain AR round, the
+    draft idle) is a candidate, chosen when no K is expected to pay."""
 
     alpha: float
     t_ar: float
@@ -104,28 +95,29 @@ class KPlan:
     t_draft_step: float = 0.0
     c_round: float = 0.0
     ks: tuple[int, ...] = ADAPTIVE_KS
+    zero: bool = False
 
     @classmethod
-    def from_costs(cls, alpha: float, costs: Mapping, k0: int, ks=ADAPTIVE_KS, zero: bool = False) -> KPlan:
-        """From a calibration record's α and ``costs`` (``t_verify`` keyed by K, as strings or ints);
-        ``k0``, the calibrated choice, is one of the candidates; ``zero``: K = 0 is one too."""
-        tv = interpolate_verify({int(k): float(v) for k, v in costs["t_verify"].items()})
+    def from_costs(cls, alpha: float, costs, k0: int, ks=ADAPTIVE_KS, zero: bool = False) -> KPlan:
+        """From a calibration's α and :class:`~ssd_jax.planning.records.Costs` (or their JSON form);
+        ``k0``, the calibrated choice, is one of the candidates."""
+        if isinstance(costs, Mapping):
+            from ssd_jax.planning.records import Costs
+
+            costs = Costs.from_json(costs)
+        tv = interpolate_verify(costs.t_verify)
         return cls(
             float(alpha),
-            float(costs["t_ar"]),
+            float(costs.t_ar),
             tuple(sorted(tv.items())),
-            float(costs["t_draft_step"]),
-            float(costs["c_round"]),
+            float(costs.t_draft_step),
+            float(costs.c_round),
             tuple(sorted({*ks, int(k0)})),
             zero,
         )
 
-    #: K = 0 (a plain AR round, the draft idle) is a candidate: chosen when no K is expected to pay
-    zero: bool = False
-
-    def choose(self, alpha: float, bucket: int | None = None) -> int:
-        """The best K among ``ks`` at acceptance ``alpha`` (0 when ``zero`` and none beats AR; S(0) = 1).
-        ``bucket`` is ignored (one plan for every batch size; see :class:`BucketPlans`)."""
+    def choose(self, alpha: float) -> int:
+        """The best K among ``ks`` at acceptance ``alpha`` (0 when ``zero`` and none beats AR; S(0) = 1)."""
         sp = expected_speedups(
             min(max(alpha, 0.0), 1.0),
             self.t_ar,
@@ -157,13 +149,15 @@ class KPlan:
             return self.table
         return dataclasses.replace(self, zero=False).table
 
-    def ks_used(self) -> set[int]:
-        """Every K a run may dispatch with this plan (the rounds to compile)."""
-        return set(self.table.tolist()) | set(self.positive_table.tolist())
+    def k_for(self, bucket: int | None, alpha: float) -> int:
+        """:meth:`choose` at α rounded to the grid; ``bucket`` is ignored (one plan for every batch)."""
+        return int(self.table[_grid(alpha)])
 
-    def k_at(self, alpha: float, bucket: int | None = None) -> int:
-        """:meth:`choose` at α rounded to the grid (:attr:`table`)."""
-        return int(self.table[int(round(min(max(alpha, 0.0), 1.0) * GRID))])
+    def explore_k(self, bucket: int | None, alpha: float) -> int:
+        return int(self.positive_table[_grid(alpha)])
+
+    def ks_at(self, bucket: int | None = None) -> set[int]:
+        return set(self.table.tolist()) | set(self.positive_table.tolist())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +186,6 @@ class BucketPlans:
     def zero(self) -> bool:
         return any(p.zero for _, p in self.plans)
 
-    def choose(self, alpha: float, bucket: int | None = None) -> int:
-        return self.plan(bucket).choose(alpha)
-
     def summary(self) -> str:
         """Each bucket's K at the calibrated α and its expected speedup, e.g. "1: K=4 1.52x, 8: K=0 (AR)"."""
         out = []
@@ -203,19 +194,60 @@ class BucketPlans:
             out.append(f"{b}: K=0 (AR)" if k == 0 else f"{b}: K={k} {p.speedup(p.alpha, k):.2f}x")
         return ", ".join(out)
 
-    def k_at(self, alpha: float, bucket: int | None = None) -> int:
-        return self.plan(bucket).k_at(alpha)
+    def k_for(self, bucket: int | None, alpha: float) -> int:
+        return self.plan(bucket).k_for(bucket, alpha)
 
-    def ks_used(self) -> set[int]:
-        return set().union(*(p.ks_used() for _, p in self.plans))
+    def explore_k(self, bucket: int | None, alpha: float) -> int:
+        return self.plan(bucket).explore_k(bucket, alpha)
+
+    def ks_at(self, bucket: int | None = None) -> set[int]:
+        if bucket is None:
+            return set().union(*(p.ks_at() for _, p in self.plans))
+        return self.plan(bucket).ks_at()
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSwitch:
+    """SSD's policy in a server on one device: at each batch bucket, rounds at the calibrated K or AR
+    rounds (K = 0, the draft idle; :mod:`ssd_jax.decoding.sd_lag`) where its round cannot pay.
+
+    SSD's K and fan-out budget fix its tree's shapes, so the choice per bucket is binary. It is made at
+    start-up from what the engine's own compiled rounds cost at that bucket (timed, not modelled: the
+    one-device round model of :mod:`ssd_jax.planning.ssd_model` underprices the fused round) and the
+    tokens a round emits per row (that model's simulation): speculate where
+    ``tokens_per_round · t_ar(b) > t_round(b)``. ``zero`` fixes the AR buckets instead (tests)."""
+
+    k: int
+    tokens_per_round: float
+    alpha: float = 0.0
+    zero: tuple[int, ...] | None = None
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        return (self.k,)
+
+    def k_for(self, bucket: int | None, alpha: float) -> int:
+        """K at every bucket; the engine runs AR rounds at the buckets :meth:`speculates` refused."""
+        return self.k
+
+    def explore_k(self, bucket: int | None, alpha: float) -> int:
+        return self.k
+
+    def ks_at(self, bucket: int | None = None) -> set[int]:
+        return {self.k}
+
+    def speculates(self, bucket: int, t_round: float, t_ar: float) -> bool:
+        if self.zero is not None:
+            return bucket not in self.zero
+        return self.tokens_per_round * t_ar > t_round
 
 
 class OnlineK:
     """The K of each round of an adaptive run (see the module docstring). ``update`` after each
-    round read, ``k`` for the next round dispatched; ``metrics()`` for the run's metrics."""
+    round read, ``k_for`` for the next round dispatched; ``metrics()`` for the run's metrics."""
 
-    def __init__(self, plan: KPlan | BucketPlans, k0: int):
-        self.plan, self.k = plan, int(k0)
+    def __init__(self, plan: KPolicy):
+        self.plan = plan
         self.accepted = self.rejections = 0
         self.rounds: Counter[int] = Counter()
         self.zero_run = 0  # K = 0 rounds dispatched in a row
@@ -234,16 +266,16 @@ class OnlineK:
         a, d = n_acc[m], n_draft[m]
         self.accepted += int(a.sum())
         self.rejections += int((a < d).sum())
-        self.k = self.plan.k_at(self.alpha)
+
+    @property
+    def k(self) -> int:
+        """The K the plan gives at the current α over every running row (a run's summary)."""
+        return self.plan.k_for(None, self.alpha)
 
     def k_for(self, bucket: int | None, explore: bool = True) -> int:
-        """The next round's K at ``bucket`` running rows: ``k`` with one plan, else the bucket's plan at
-        the current α (a table lookup)."""
-        if not isinstance(self.plan, BucketPlans):
-            return self.k
-        plan = self.plan.plan(bucket)
-        i = int(round(min(max(self.alpha, 0.0), 1.0) * GRID))
-        k = int(plan.table[i])
+        """The next round's K at ``bucket`` running rows (a table lookup at the current α); after
+        :data:`EXPLORE_EVERY` AR rounds in a row, one round at the best K > 0."""
+        k = self.plan.k_for(bucket, self.alpha)
         if k != 0:
             self.zero_run = 0
             return k
@@ -251,7 +283,7 @@ class OnlineK:
         if self.zero_run < EXPLORE_EVERY or not explore:
             return 0
         self.zero_run, self.explored = 0, self.explored + 1
-        return int(plan.positive_table[i])
+        return self.plan.explore_k(bucket, self.alpha)
 
     def metrics(self) -> dict:
         n = sum(self.rounds.values())

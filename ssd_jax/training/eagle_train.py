@@ -245,7 +245,7 @@ def train_head(
     summary = {"out": out, "steps": steps, "train_s": time.perf_counter() - t0, "scored_tokens": toks_seen,
                "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
     if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
-        from ssd_jax.analysis.kchoice import K_MAX
+        from ssd_jax.decoding.spec import K_MAX
 
         ev = evaluate_head(jax.device_get(head), target, spec, *held, k=K_MAX, ids=ids_d)
         summary["held_out"] = ev
