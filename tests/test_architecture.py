@@ -3,7 +3,7 @@
 Dependencies run one way, lowest first:
 
     errors <- models <- loading, parallel, data <- sampling <- drafters <- analysis
-           <- decoding <- engine <- training <- bench <- cli, serve <- entry-point shims
+           <- decoding <- planning <- engine <- training <- bench <- cli, serve <- entry-point shims
 
 A module may import its own layer and the layers below it, never above; there are no import
 cycles; no module imports a private (``_name``) from another; the package face
@@ -30,11 +30,12 @@ LAYERS = {
     "drafters": 4,
     "analysis": 5,
     "decoding": 6,
-    "engine": 7,
-    "training": 8,
-    "bench": 9,
-    "cli": 10,
-    "serve": 10,
+    "planning": 7,
+    "engine": 8,
+    "training": 9,
+    "bench": 10,
+    "cli": 11,
+    "serve": 11,
 }
 #: ``python -m ssd_jax.<name>`` entry points kept at their old paths: each only imports its CLI
 SHIMS = {

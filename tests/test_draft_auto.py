@@ -11,7 +11,7 @@ from test_sd import PROMPTS, _ids
 
 from ssd_jax import SamplingParams, SpecConfig, generate
 from ssd_jax.cli.args import Parser, add_spec_args, spec_from_args
-from ssd_jax.decoding import kauto
+from ssd_jax.planning import configure, variants
 from ssd_jax.models import kernels
 
 SP = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -21,38 +21,43 @@ def test_variants_worth_measuring(pair, monkeypatch):
     target, draft = pair
     spec = SpecConfig(method="sd", draft=draft)
     # a draft whose weights stay in the caches, with a small vocabulary: nothing to choose
-    assert kauto.draft_variants(target, spec, draft) == [(None, None)]
-    monkeypatch.setattr(kauto, "BF16_MIN_BYTES", 0)
-    monkeypatch.setattr(kauto, "TRIM_TRY", 32)  # the tiny draft's 128 tokens count as a large vocabulary
+    assert variants.draft_variants(target, spec, draft) == [(None, None)]
+    monkeypatch.setattr(variants, "BF16_MIN_BYTES", 0)
+    monkeypatch.setattr(variants, "TRIM_TRY", 32)  # the tiny draft's 128 tokens count as a large vocabulary
     bf16 = ["bfloat16"] if kernels.available() else []
     want = [(d, v) for d in [None, *bf16] for v in (None, 32)]
-    assert kauto.draft_variants(target, spec, draft) == want
+    assert variants.draft_variants(target, spec, draft) == want
     # a value given stays as given; only the "auto" field is chosen
-    assert kauto.draft_variants(target, dataclasses.replace(spec, draft_dtype="float32"), draft) == [
+    assert variants.draft_variants(target, dataclasses.replace(spec, draft_dtype="float32"), draft) == [
         ("float32", None),
         ("float32", 32),
     ]
-    assert kauto.draft_variants(target, dataclasses.replace(spec, draft_vocab=None), draft) == [
+    assert variants.draft_variants(target, dataclasses.replace(spec, draft_vocab=None), draft) == [
         (d, None) for d in [None, *bf16]
     ]
-    assert kauto.draft_variants(
+    assert variants.draft_variants(
         target, dataclasses.replace(spec, draft_dtype="bfloat16", draft_vocab=64), draft
     ) == [("bfloat16", 64)]
-    monkeypatch.setattr(kauto, "TRIM_TRY", 64)  # 128 is not more than 2 x 64: no trimmed head tried
-    assert all(v is None for _, v in kauto.draft_variants(target, spec, draft))
+    monkeypatch.setattr(variants, "TRIM_TRY", 64)  # 128 is not more than 2 x 64: no trimmed head tried
+    assert all(v is None for _, v in variants.draft_variants(target, spec, draft))
 
 
 def test_ar_and_drafters_without_weights_resolve_to_nothing(pair):
     target, _ = pair
-    for spec in (SpecConfig(), SpecConfig(method="sd", draft="ngram")):
-        got, info, spent = kauto.choose_draft_variant(target, spec, 1, load=None)
-        assert (got.draft_dtype, got.draft_vocab, info, spent) == (None, None, None, 0.0)
+    for spec in (SpecConfig(), SpecConfig(method="sd", draft="ngram", k=2)):
+        got, plan = configure(target, spec, rows=1, load=None)
+        assert (got.draft_dtype, got.draft_vocab, plan.draft_auto, plan.calibration_s) == (
+            None,
+            None,
+            None,
+            0.0,
+        )
 
 
 @pytest.mark.skipif(not kernels.available(), reason="bfloat16 drafts are offered only where the kernels run")
 def test_the_fastest_variant_is_chosen_cached_and_exact(pair, ar_ref, tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
-    monkeypatch.setattr(kauto, "BF16_MIN_BYTES", 0)
+    monkeypatch.setattr(variants, "BF16_MIN_BYTES", 0)
     target, draft = pair
     spec = SpecConfig(method="sd", draft=draft)
     res = generate(target, PROMPTS, SP, spec)

@@ -244,7 +244,8 @@ def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
     """A head is found as ``eagle:PATH``, as a directory holding ``head.safetensors`` or by name in the
     checkpoint roots; what a head cannot do is refused in one line (UserError)."""
     from ssd_jax import SpecConfig
-    from ssd_jax.engine.methods.eagle import eagle_source, eagle_spec, is_eagle, load_eagle
+    from ssd_jax.engine.methods.eagle import eagle_source, is_eagle, load_eagle
+    from ssd_jax.planning import configure
     from ssd_jax.errors import UserError
 
     cfg = target.cfg
@@ -259,7 +260,7 @@ def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
     head, meta = load_eagle(target, "my-head")
     assert meta["layers"] == list(spec.layers)
     assert (
-        eagle_spec(SpecConfig(method="sd", draft="my-head", k="auto"), target, 1)[0].k == 4
+        configure(target, SpecConfig(method="sd", draft="my-head", k="auto"), rows=1, load=None)[0].k == 4
     )  # no curve stored
     for bad in (
         SpecConfig(method="ssd", draft="my-head", k=2, backup="ngram"),
@@ -268,7 +269,7 @@ def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
         SpecConfig(method="sd", draft="my-head", k=2, draft_dtype="bfloat16"),
     ):
         with pytest.raises(UserError):
-            eagle_spec(bad, target, 1)
+            configure(target, bad, rows=1, load=None)
     with pytest.raises(UserError, match="no EAGLE head"):
         load_eagle(target, "eagle:does-not-exist")
     other = tiny_model(1, layers=4)
@@ -279,7 +280,9 @@ def test_heads_by_name_and_one_line_errors(target, tmp_path, monkeypatch):
 def test_k_auto_for_a_head_follows_its_acceptance_curve(target, tmp_path, monkeypatch):
     """S(K) = (1 + sum P_d) t_ar / (K t_head + t_verify(K + 1)) from the head's stored curve: a head that
     keeps being accepted gets a larger K than one whose fed-back proposals fail."""
-    from ssd_jax.decoding.kauto_head import choose_head_k, head_curve, head_speedups
+    from ssd_jax.planning import head_model
+    from ssd_jax.planning.head_model import choose_head_k, head_curve, head_speedups
+    from ssd_jax.planning.records import Calibration, Costs
 
     assert head_curve([0.8, 0.4], 4) == pytest.approx([0.8, 0.4, 0.2, 0.1])
     tv = {k: 1.0 + 0.1 * k for k in range(1, 9)}
@@ -292,10 +295,10 @@ def test_k_auto_for_a_head_follows_its_acceptance_curve(target, tmp_path, monkey
     _, again = choose_head_k(target, head, {"acceptance_by_position": [0.5]}, 1)
     assert info["source"] == "measured" and again["source"] == "cache"  # the target's costs, timed once
     # the choice itself on fixed costs (a tiny model's timings are noise on a busy machine)
-    from ssd_jax.decoding import kauto
-
-    costs = {"t_ar": 1.0, "t_verify": {"1": 1.1, "4": 1.3, "8": 1.6}}
-    monkeypatch.setattr(kauto, "target_costs", lambda model, batch: (costs, "cache", tmp_path / "fixed"))
+    fixed = Calibration(
+        0.0, "none", Costs(1.0, {1: 1.1, 4: 1.3, 8: 1.6}), source="cache", path=tmp_path / "f"
+    )
+    monkeypatch.setattr(head_model.Calibrator, "target_costs", lambda self, batch: fixed)
     strong, info = choose_head_k(target, head, {"acceptance_by_position": [0.97, 0.95, 0.93, 0.9]}, 1)
     weak, info2 = choose_head_k(target, head, {"acceptance_by_position": [0.3, 0.03, 0.003, 0.0003]}, 1)
     assert strong > weak >= 1, (info["expected_speedup_by_k"], info2["expected_speedup_by_k"])

@@ -112,7 +112,7 @@ def test_batch_buckets_run_the_running_rows_only(pair, method):
 
 
 class ScriptedK:
-    """A K plan that plays a fixed schedule (one K per round read), K = 0 among them."""
+    """A K policy that plays a fixed schedule (one K per round dispatched), K = 0 among them."""
 
     alpha, zero = 0.5, True
 
@@ -121,12 +121,15 @@ class ScriptedK:
         self.ks = tuple(sorted(set(schedule)))
         self.table = np.array(self.ks)
 
-    def choose(self, alpha, bucket=None):
-        return self.k_at(alpha, bucket)
-
-    def k_at(self, alpha, bucket=None):
+    def k_for(self, bucket, alpha):
         self.i += 1
         return self.schedule[self.i % len(self.schedule)]
+
+    def explore_k(self, bucket, alpha):
+        return max(self.ks)
+
+    def ks_at(self, bucket):
+        return set(self.ks)
 
 
 def _acceptance(pair, schedule, buckets):
@@ -267,7 +270,7 @@ def test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact(pair):
 def _ssd_switching(pair, draft, zero=(4,)):
     """Greedy SSD over 4 slots (buckets 1, 2, 4) with AR rounds at the ``zero`` buckets: (each row's
     tokens, AR's, the rounds by K, the acceptance of the speculative rounds)."""
-    from ssd_jax.decoding.ssd.plan import BucketSwitch
+    from ssd_jax.planning.policy import BucketSwitch
 
     target, _ = pair
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)

@@ -161,7 +161,7 @@ def test_adaptive_k_emissions_follow_the_target(agree_pair):
     """K re-chosen after every round from the run's own acceptance (``k_plan``, what ``k="auto"``
     sets for SD) keeps every emitted token exact; the costs (a draft step 0.3 of a target step) make K
     start at 8 and fall at this pair's acceptance."""
-    from ssd_jax.analysis.kchoice import KPlan
+    from ssd_jax.planning.policy import KPlan
 
     target, draft = agree_pair
     costs = {"t_ar": 1.0, "t_verify": {"1": 1.0, "8": 1.0}, "t_draft_step": 0.3, "c_round": 0.0}

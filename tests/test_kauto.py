@@ -8,7 +8,9 @@ import pytest
 from test_sd import PROMPTS, _ids
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax.analysis.kchoice import K_MAX, KPlan, OnlineK, best_k, expected_speedups, interpolate_verify
+from ssd_jax.decoding.spec import K_MAX
+from ssd_jax.planning.policy import KPlan, OnlineK
+from ssd_jax.planning.sd_model import best_k, expected_speedups, interpolate_verify
 from ssd_jax.errors import UserError
 
 SP = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -114,8 +116,6 @@ def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
         and sum(c.metrics["k_rounds"].values()) == c.metrics["verify_steps"]
     )
     # up to the largest K the plan can choose at some acceptance (only those are compiled)
-    from ssd_jax.analysis.kchoice import KPlan
-
     plan = KPlan.from_costs(c.metrics["k_auto"]["alpha"], rec["costs"], c.metrics["k"])
     reachable = {plan.choose(a) for a in np.linspace(0.0, 1.0, 101)} | {c.metrics["k"]}
     assert len(c.metrics["acceptance_histogram"]) == max(reachable) + 1
@@ -153,7 +153,7 @@ def test_cli_k_auto(tiny_llama_path, capsys):
 
 def test_random_drafter_alpha_is_exact_and_a_draft_equal_to_the_target_accepts_everything(pair):
     """Calibration only (no decoding): α = 1/V for uniform proposals, α = 1 when draft = target."""
-    from ssd_jax.decoding.kauto import calibrate
+    from ssd_jax.planning.calibration import calibrate
 
     target, _ = pair
     rec = calibrate(target, SpecConfig(method="sd", draft="random"), None, len(PROMPTS), 128)
@@ -171,7 +171,7 @@ def test_online_k_follows_the_runs_acceptance():
     plan = KPlan.from_costs(1.0, COSTS, k0=8)
     assert plan.ks == (1, 2, 4, 8) and KPlan.from_costs(1.0, COSTS, k0=3).ks == (1, 2, 3, 4, 8)
     assert plan.choose(1.0) == 8 and plan.choose(0.6) == 4 and plan.choose(0.1) == 1
-    on = OnlineK(plan, 8)
+    on = OnlineK(plan)
     live = np.array([True, True, False])
     # row 0 accepts 2 of 8 (a rejection), row 1 all 8 (no rejection: censored), row 2 has stopped (ignored)
     on.update(8, live, np.array([2, 8, 0]), np.array([8, 8, 8]))
@@ -195,7 +195,7 @@ def test_online_k_follows_the_runs_acceptance():
 def test_k_zero_and_a_plan_per_batch_bucket():
     """K = 0 (an AR round) is chosen exactly where no K is expected to beat AR; one plan per batch bucket
     chooses by the running rows' bucket; the lookup table agrees with the exact choice."""
-    from ssd_jax.analysis.kchoice import BucketPlans
+    from ssd_jax.planning.policy import BucketPlans
 
     # at one row verifying is as cheap as a step; at 8 rows a verify of K + 1 tokens costs 1.7 (K = 1) to 6
     # (K = 8) steps
@@ -208,19 +208,19 @@ def test_k_zero_and_a_plan_per_batch_bucket():
     assert KPlan.from_costs(0.6, eight_costs, k0=1).choose(0.6) == 1
     assert eight.choose(1.0) == 8 and eight.speedup(1.0, 8) > 1.0
     for a in (0.0, 0.3, 0.6, 0.95, 1.0):
-        assert one.k_at(a) == one.choose(a) and eight.k_at(a) == eight.choose(a)
+        assert one.k_for(None, a) == one.choose(a) and eight.k_for(8, a) == eight.choose(a)
     plans = BucketPlans(((1, one), (2, one), (8, eight)))
-    assert [plans.choose(0.6, b) for b in (1, 2, 3, 8, None)] == [4, 4, 0, 0, 0]
+    assert [plans.k_for(b, 0.6) for b in (1, 2, 3, 8, None)] == [4, 4, 0, 0, 0]
     assert plans.ks == (1, 2, 4, 8) and plans.zero and plans.alpha == 0.6
     assert plans.summary().startswith("1: K=4 ") and plans.summary().endswith("8: K=0 (AR)")
-    on = OnlineK(plans, 1)
+    on = OnlineK(plans)
     assert (on.k_for(1), on.k_for(8)) == (4, 0)
     # K = 0 proposes nothing: every EXPLORE_EVERY-th K = 0 round in a row speculates at the best K > 0 instead
-    from ssd_jax.analysis.kchoice import EXPLORE_EVERY
+    from ssd_jax.planning.policy import EXPLORE_EVERY
 
     ks = [on.k_for(8) for _ in range(2 * EXPLORE_EVERY)]
     assert ks.count(0) == 2 * EXPLORE_EVERY - 2 and ks[EXPLORE_EVERY - 2] == eight.positive_table[600] == 1
-    assert on.metrics()["k_explore_rounds"] == 2 and plans.ks_used() == {
+    assert on.metrics()["k_explore_rounds"] == 2 and plans.ks_at(None) == {
         0,
         *on.plan.plan(1).table.tolist(),
         1,

@@ -1,4 +1,4 @@
-"""SSD's own round choice (:mod:`ssd_jax.decoding.ssd.plan`, what ``k="auto"`` does for SSD): the
+"""SSD's own round choice (:mod:`ssd_jax.planning.ssd_model`, what ``k="auto"`` does for SSD): the
 greedy hit simulation on known rank sequences, the round-time model with and without a device of
 the draft's own, and end to end on a tiny pair (the chosen K and budget are used, tokens = AR)."""
 
@@ -7,7 +7,8 @@ import pytest
 from test_sd import PROMPTS, _ids
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax.decoding.ssd import plan
+from ssd_jax.planning import ssd_model as plan
+from ssd_jax.planning.records import Calibration
 
 SP = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
@@ -40,17 +41,19 @@ def test_interpolate_rows():
 def _record(t_row_slope):
     rng = np.random.default_rng(0)
     ranks = [np.where(rng.random(200) < 0.7, 0, rng.integers(1, 4, 200)).tolist() for _ in range(2)]
-    return {
-        "alpha": 0.7,
-        "ranks": ranks,
-        "rank_start": 1,
-        "costs": {
-            "t_ar": 1.0,
-            "t_verify": {"1": 1.0, "4": 1.1, "8": 1.3},
-            "t_draft_step": 0.2,
-            "t_draft_rows": {"1": 0.2, "4": 0.2 + 3 * t_row_slope, "12": 0.2 + 11 * t_row_slope},
-        },
-    }
+    return Calibration.from_json(
+        {
+            "alpha": 0.7,
+            "ranks": ranks,
+            "rank_start": 1,
+            "costs": {
+                "t_ar": 1.0,
+                "t_verify": {"1": 1.0, "4": 1.1, "8": 1.3},
+                "t_draft_step": 0.2,
+                "t_draft_rows": {"1": 0.2, "4": 0.2 + 3 * t_row_slope, "12": 0.2 + 11 * t_row_slope},
+            },
+        }
+    )
 
 
 def test_the_round_model_hides_the_build_only_on_a_device_of_its_own():

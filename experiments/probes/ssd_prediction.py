@@ -9,15 +9,13 @@ build hidden behind the verify, as on a device of its own, and without it, as on
 and the predicted SSD / SD ratio."""
 
 import argparse
-import dataclasses
 import functools
 import json
 
 import ssd_jax
 from ssd_jax import SpecConfig
-from ssd_jax.decoding import kauto
 from ssd_jax.drafters.vocab import load_with_head
-from ssd_jax.sampling.filters import SamplingParams
+from ssd_jax.planning import configure
 
 
 def main() -> None:
@@ -28,33 +26,24 @@ def main() -> None:
     target = ssd_jax.load_model(a.target)
     load = functools.partial(load_with_head, dtype=target.cfg.dtype)
     draft = load(a.draft)
-    out, cal = {"cpus": ssd_jax.xla_env.cpus()}, {}
+    out = {"cpus": ssd_jax.xla_env.cpus()}
     for name, spec in (
         ("sd", SpecConfig(method="sd", draft=draft)),
         ("ssd_own_device", SpecConfig(method="ssd", draft=draft, target_devices=1, draft_devices=1)),
         ("ssd_one_device", SpecConfig(method="ssd", draft=draft)),
     ):
-        chosen, variants, _ = kauto.choose_draft_variant(target, spec, 1, load, cal)
-        d = chosen.draft
-        if chosen.draft_dtype is not None:
-            d = ssd_jax.loading.loaded.with_weight_dtype(d, chosen.draft_dtype)
-        if chosen.draft_vocab is not None:
-            from ssd_jax.drafters.vocab import trimmed_draft
-
-            d = trimmed_draft(d, chosen.draft_vocab, load)
-        resolved, info, _ = kauto.resolve_k(
-            target, dataclasses.replace(chosen, draft=d), SamplingParams(), 1, load, cal
-        )
+        resolved, plan = configure(target, spec, rows=1, load=load)
+        info = plan.k_auto
         best = info.get("ssd_plan") or {
             "k": resolved.k,
             "expected_speedup": info["expected_speedup_by_k"][str(resolved.k)],
         }
         out[name] = {
-            "draft_dtype": chosen.draft_dtype,
-            "draft_vocab": chosen.draft_vocab,
-            "variants": (variants or {}).get("variants"),
+            "draft_dtype": resolved.draft_dtype,
+            "draft_vocab": resolved.draft_vocab,
+            "variants": (plan.draft_auto or {}).get("variants"),
             "alpha": info["alpha"],
-            "costs": {k: v for k, v in info["costs"].items()},
+            "costs": dict(info["costs"]),
             "plan": best,
         }
     sd = out["sd"]["plan"]["expected_speedup"]

@@ -180,7 +180,7 @@ def method_specs(
     names: Sequence[str], draft=None, load_draft: Callable[[str], Any] | None = None
 ) -> dict[str, Any]:
     """SpecConfigs by name: ``ar``, ``sd:K`` (the draft model), ``ngram:K`` (n-gram SD), ``ssd:K``;
-    K is an integer or ``auto`` (measured, cached: ``decoding.kauto``), default 4. The draft's
+    K is an integer or ``auto`` (measured, cached: :mod:`ssd_jax.planning`), default 4. The draft's
     vocabulary and weight dtype are ``auto`` (the defaults a user gets) unless options say:
     ``:vN`` trims the head to N tokens and ``:full`` keeps the whole head (``--draft-vocab``);
     ``:bf16`` / ``:f32`` store the matrices in bfloat16 / float32 (``--draft-dtype``); e.g.

@@ -259,7 +259,7 @@ def _ratio(before: dict, after: dict, num: str, den: str) -> float | None:
 
 def system_prompt(tokenizer, n: int) -> str:
     """About ``n`` tokens of plain instructions (the built-in prose, repeated), cut at a token boundary."""
-    from ssd_jax.decoding.calibration import CAL_TEXTS
+    from ssd_jax.planning.calibration import CAL_TEXTS
 
     text = "You are a careful assistant. Follow these notes. " + " ".join(CAL_TEXTS) * 8
     return tokenizer.decode(tokenizer.encode(text)[:n])

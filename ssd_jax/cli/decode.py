@@ -206,8 +206,10 @@ def _prompts(args) -> list:
 
 
 def _report(res) -> None:
-    """The run's speed, speculation and SSD lines on stderr."""
+    """The run's plan, speed, speculation and SSD lines on stderr."""
     m = res.metrics
+    if m.get("plan") and res.method != "ar":
+        print(f"[{res.method}] {m['plan']['line']}", file=sys.stderr)
     print(
         f"[{res.method}] {m['generated_tokens']} tokens in {m['wall_s']:.2f}s: {m['tokens_per_s']:.2f} tok/s, "
         f"ttft {m['ttft_s']:.3f}s, tpot {m['tpot_s'] * 1e3:.1f}ms, compile {m['compile_s']:.1f}s",

@@ -1,7 +1,7 @@
 """K = 0 rounds of SD with a draft model: a plain AR round with the draft left idle, and the draft's
 catch-up when speculation resumes.
 
-When K auto expects no K to pay at the running batch size (:class:`~ssd_jax.analysis.kchoice.KPlan`
+When K auto expects no K to pay at the running batch size (:class:`~ssd_jax.planning.policy.KPlan`
 with ``zero``), the engine runs AR rounds. Feeding the draft each new token as well would make such a
 round cost ``t_ar + t_draft_step``, more than AR. Instead the round only records, per row, the tokens
 the draft has not seen (a small device buffer, ``lag`` (B, LAG_MAX) with counts ``lag_n``), and before

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ssd_jax.analysis.kchoice import K_MAX as K_AUTO_MAX
 from ssd_jax.errors import UserError
 
 METHODS = ("ar", "sd", "ssd")
 #: weight dtypes a draft model may be stored in (``SpecConfig.draft_dtype``, ``--draft-dtype``)
 DRAFT_DTYPES = ("float32", "bfloat16")
+#: ``k="auto"`` chooses K among 1..K_MAX
+K_MAX = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class SpecConfig:
       draft: a draft model name or path, "ngram", "random", or a loaded model object.
       k: speculative tokens per round (vLLM's num_speculative_tokens), or "auto" (the default):
         chosen in 1..8 from a short measurement of this machine's stage costs and the draft's
-        acceptance, cached on disk (:mod:`ssd_jax.decoding.kauto`); ``metrics["k"]`` is the K used.
+        acceptance, cached on disk (:mod:`ssd_jax.planning`); ``metrics["k"]`` is the K used.
       prompt_lookup_min / prompt_lookup_max: n-gram sizes for the n-gram drafter.
       fan_out: SSD fan-out, an int (uniform) or "geometric".
       fan_out_budget: SSD branches per sequence (sum of the per-position fan-outs); geometric
@@ -45,14 +46,14 @@ class SpecConfig:
       draft_vocab: keep only the N most frequent target tokens in the draft model's output head
         (``ssd_jax.drafters.vocab``; None = the full vocabulary). Exact: q is 0 outside the kept set.
         "auto" (the default): the full head or a trimmed one, whichever the calibration expects to
-        be faster for this pair on this machine (:func:`ssd_jax.decoding.kauto.choose_draft_variant`).
+        be faster for this pair on this machine (:mod:`ssd_jax.planning.variants`).
       draft_dtype: store the draft model's weight matrices in this dtype ("float32" or "bfloat16";
         None = the target's dtype) while it computes in the target's dtype. Exact whatever it is
         (the draft only proposes); on CPU a float32 target with a "bfloat16" draft halves the
         bytes each draft step streams (the CPU kernel widens them in registers). "auto" (the
         default): chosen by the calibration, as ``draft_vocab``.
       k_plan: SD only: choose K again after every round from the run's own acceptance
-        (:class:`ssd_jax.analysis.kchoice.KPlan`: the calibration's α as a prior and its stage
+        (a :class:`ssd_jax.planning.policy.KPolicy`, e.g. ``KPlan``: the calibration's α as a prior and its stage
         costs; ``k`` is the first round's K). ``k="auto"`` sets it for SD on one device (the
         default loop; the two-mesh and ``profile_stages`` loops keep K fixed); None = K fixed.
         ``metrics`` then has ``k_mean``, ``k_rounds`` and ``alpha_online``.
@@ -90,9 +91,9 @@ class SpecConfig:
                 raise UserError(f"k must be an integer >= 1 or 'auto', got {self.k!r}")
             if self.k < 1:
                 raise UserError(f"k must be >= 1, got {self.k}")
-        if self.k_plan is not None and not callable(getattr(self.k_plan, "choose", None)):
+        if self.k_plan is not None and not callable(getattr(self.k_plan, "k_for", None)):
             raise UserError(
-                f"k_plan must be a KPlan (ssd_jax.analysis.kchoice), got {type(self.k_plan).__name__}"
+                f"k_plan must be a K policy (ssd_jax.planning.policy), got {type(self.k_plan).__name__}"
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise UserError(
@@ -184,7 +185,7 @@ class SpecConfig:
         """Cache slots needed beyond prompt + new tokens (speculative tokens in flight)."""
         if self.method == "ar":
             return 0
-        k = K_AUTO_MAX if self.k == "auto" else self.k
+        k = K_MAX if self.k == "auto" else self.k
         if self.k_plan is not None:  # K adaptive: room for the largest K the run may switch to
             k = max(k, *self.k_plan.ks)
         return k + 1

@@ -367,3 +367,49 @@ def greedy_acceptance(
         ok = ok + alive
         w = w & (mask_BxT[:, 1 + d : 1 + d + m] > 0)
     return ok, w
+
+
+# --- a head named as a draft (``--draft eagle:PATH``, a directory or a shipped name)
+
+PREFIX = "eagle:"
+
+
+def eagle_source(draft) -> str | None:
+    """Where an EAGLE head given as a draft lives (a ``head.safetensors`` file or a directory holding
+    one), or None if ``draft`` is not a head. A head is ``eagle:PATH`` (PATH a file, a directory or a
+    shipped name), or a directory or shipped name (``checkpoints/<name>/``, as draft models are found)
+    that holds a ``head.safetensors``."""
+    from ssd_jax.loading.draft import resolve_head
+
+    if not isinstance(draft, str):
+        return None
+    ref, forced = (draft[len(PREFIX) :], True) if draft.startswith(PREFIX) else (draft, False)
+    p = Path(ref).expanduser()
+    if (forced and p.is_file()) or (p / HEAD_WEIGHTS).is_file():
+        return str(p)
+    if ref and "/" not in ref and not p.exists() and (d := resolve_head(ref)) is not None:
+        return str(d)
+    return ref if forced else None  # eagle:PATH that is not there: load_head says so
+
+
+def is_eagle(draft) -> bool:
+    return eagle_source(draft) is not None
+
+
+def load_eagle(model, draft: str):
+    """(head parameters, meta) of a head (:func:`eagle_source`), checked against the target."""
+    head, meta = load_head(eagle_source(draft))
+    dt = model.cfg.jnp_dtype  # a head stored in bfloat16 runs in the target's dtype
+    head = jax.tree.map(
+        lambda x: x.astype(dt) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, head
+    )
+    spec = HeadSpec(tuple(int(i) for i in meta["layers"]))
+    spec.validate(model.cfg)
+    if meta.get("target_sha256") not in (None, model.weights_sha256):
+        raise UserError(f"the head {draft} was trained for another target ({meta.get('target')})")
+    D = model.cfg.hidden_size
+    if head["fc"].shape != (len(spec.layers) * D, D):
+        raise UserError(
+            f"the head {draft} does not fit this target (width {head['fc'].shape[1]}, target {D})"
+        )
+    return head, meta

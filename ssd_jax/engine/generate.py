@@ -1,6 +1,7 @@
 """``generate()``: the offline front of the one engine (:mod:`ssd_jax.engine.core`).
 
-It validates, tokenizes, prepares the draft (weight dtype, trimmed head; K auto), builds the method
+It validates, tokenizes, asks the planner (:func:`ssd_jax.planning.configure`) for the draft as it will
+run (weight dtype, trimmed head), K and its policy, builds the method
 (:mod:`ssd_jax.engine.methods`), submits every row (each prompt times ``n`` samples) at time 0 to an
 engine with one slot per row, and runs it until every row is done. Each row draws from its own key
 (``key(seed)``, the sample index folded in after the first), so a seeded row gives the same tokens
@@ -15,14 +16,14 @@ from collections.abc import Callable, Sequence
 
 from ssd_jax.compile import Compiled
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts, plan_batch, speed_metrics
-from ssd_jax.decoding.kauto import choose_draft_variant, resolve_k
 from ssd_jax.decoding.spec import SpecConfig
 from ssd_jax.drafters.vocab import load_with_head
 from ssd_jax.engine.core import Engine, Mode
 from ssd_jax.engine.core import Sequence as Seq
 from ssd_jax.engine.methods import build_method
 from ssd_jax.errors import UserError
-from ssd_jax.parallel.distributed import agree, multi_process
+from ssd_jax.parallel.distributed import multi_process
+from ssd_jax.planning import configure
 from ssd_jax.sampling.filters import SamplingParams
 
 
@@ -59,7 +60,7 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
-    spec, draft_auto, k_auto, calib_s = _prepare(model, spec, sampling, len(ids) * sampling.n, load)
+    spec, plan = configure(model, spec, rows=len(ids) * sampling.n, load=load)
     spec.validate()
     method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
@@ -70,11 +71,15 @@ def generate(
     c0 = Compiled.total_s
     engine = Engine(method, max_batch=len(rows_ids), max_len=max_len)
     res = _run(engine, list(prompts), rows_ids, sampling, on_text)
-    res.metrics["compile_s"] += calib_s + (Compiled.total_s - c0)
+    res.metrics["compile_s"] += plan.calibration_s + (
+        Compiled.total_s - c0
+    )  # the calibration counts as compile
+    k_auto = plan.k_auto
     if k_auto is not None:  # did the engine re-choose K every round (one-device SD), or keep it fixed
         k_auto = {**k_auto, "adaptive": bool(res.metrics.get("k_adaptive"))}
     res.metrics["k_auto"] = k_auto
-    res.metrics["draft_auto"] = draft_auto
+    res.metrics["draft_auto"] = plan.draft_auto
+    res.metrics["plan"] = plan.to_json()
     if spec.draft_dtype is not None:
         res.metrics["draft_dtype"] = spec.draft_dtype
     if spec.draft_vocab is not None:
@@ -85,43 +90,6 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return _record_cpus(res, spec)
-
-
-def _prepare(model, spec: SpecConfig, sampling: SamplingParams, n_rows: int, load):
-    """The draft as it will run (weight dtype, trimmed head) and K: (spec, draft_auto, k_auto, the
-    calibration's seconds, counted as compile time)."""
-    from ssd_jax.engine.methods.eagle import eagle_spec, is_eagle
-
-    if is_eagle(spec.draft):  # an EAGLE head: no weight variants; K auto is a fixed default for now
-        spec, k_auto, calib_s = eagle_spec(spec, model, n_rows)
-        return spec, None, k_auto, calib_s
-    # draft_dtype / draft_vocab "auto" (the defaults): the variant the calibration expects to be fastest
-    # (its measurements are K auto's, so the target's side is measured once for both)
-    target_cal: dict = {}
-    spec, draft_auto, variant_s = choose_draft_variant(model, spec, n_rows, load, target_cal)
-    if (
-        spec.draft_dtype is not None
-    ):  # validate() refused it for ar / ngram / random; before trimming (cast once)
-        from ssd_jax.loading.loaded import with_weight_dtype
-
-        draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
-        spec = dataclasses.replace(spec, draft=with_weight_dtype(draft, spec.draft_dtype))
-    if spec.draft_vocab is not None:  # validate() refused it for ar / ngram / random
-        from ssd_jax.drafters.vocab import trimmed_draft
-
-        spec = dataclasses.replace(spec, draft=trimmed_draft(spec.draft, spec.draft_vocab, load))
-    # k="auto": K from a cached measurement (of the trimmed draft, if trimmed); the calibration's
-    # time counts as compile time
-    spec, k_auto, calib_s = resolve_k(model, spec, sampling, n_rows, load, target_cal)
-    spans = spec.target_devices is not None or spec.draft_devices is not None  # meshes of several processes
-    if (
-        k_auto is not None and multi_process() and spans
-    ):  # each process measured its own: all use process 0's K, fixed
-        budget = spec.fan_out_budget  # SSD's round plan chooses it with K
-        spec = dataclasses.replace(
-            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
-        )
-    return spec, draft_auto, k_auto, calib_s + variant_s
 
 
 def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -> GenerationResult:

@@ -56,10 +56,10 @@ of a 2-token vs 1-token step; the same caveat holds for a 1-column vs a K-column
 A seeded request equals offline ``generate`` of that prompt with the same seed, alone or in a
 batch: same keys, same steps. Greedy requests equal offline greedy output for AR and SD.
 
-``--k auto`` (the default) is resolved at start-up, as offline (:mod:`ssd_jax.decoding.kauto`:
+``--k auto`` (the default) is resolved at start-up, as offline (:mod:`ssd_jax.planning`:
 measured stage costs and the draft's acceptance, cached on disk), at ``--max-batch`` rows and at every
 batch bucket. SD on one device then chooses each round's K from the plan of the round's bucket and the
-acceptance seen so far (:class:`~ssd_jax.analysis.kchoice.BucketPlans`), K = 0 (an AR round, the draft
+acceptance seen so far (:class:`~ssd_jax.planning.policy.BucketPlans`), K = 0 (an AR round, the draft
 idle and caught up later, :mod:`ssd_jax.decoding.sd_lag`) where no K is expected to pay; the rounds
 run per K and bucket are in ``/metrics`` (``spec_decode_num_rounds``). ``--k N`` fixes K.
 

@@ -88,12 +88,12 @@ def run(argv=None) -> int:
     from ssd_jax.serve.app import build_app
 
     model = load_model(args.target, dtype=args.dtype)
-    spec, draft = _prepared_draft(args, spec, model)
+    spec, k_note = _planned(args, spec, model)
+    draft = spec.draft if spec.method != "ar" and not isinstance(spec.draft, str) else None
     max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
-    spec, k_note = _resolved_k(args, spec, model, draft)
-    engine, metrics, method = _serving_engine(args, spec, model, draft, max_len)
+    engine, metrics, method = _serving_engine(args, spec, model, max_len)
     name = args.served_model_name or str(args.target)
     k = 0 if spec.method == "ar" else int(spec.k)
     ssd = (
@@ -160,79 +160,43 @@ def _checked_spec(args):
     return spec
 
 
-def _prepared_draft(args, spec, model):
-    """(spec, the draft model as it will run: weight dtype and trimmed head), or (spec, None) without a
-    draft model."""
-    if spec.method == "ar" or spec.draft in ("ngram", "random"):
-        return spec, None
-    from ssd_jax.engine.methods.eagle import eagle_spec, is_eagle
-
-    if is_eagle(spec.draft):  # an EAGLE head: K auto its default, no weight variants
-        spec, info, _ = eagle_spec(spec, model, args.max_batch)
-        if info is not None:
-            print(f"[serve] EAGLE head, K auto: K={spec.k} ({info['source']})", file=sys.stderr, flush=True)
-        return spec, None
-    from ssd_jax.decoding.kauto import choose_draft_variant
-    from ssd_jax.drafters.base import check_same_tokenizer
-    from ssd_jax.drafters.vocab import load_with_head, trimmed_draft
-    from ssd_jax.loading.loaded import with_weight_dtype
+def _planned(args, spec, model):
+    """(the spec the engine serves, the start-up line's note on K): the planner
+    (:func:`ssd_jax.planning.configure`) at --max-batch rows and every batch bucket. SD chooses K per
+    round by the running rows' bucket, K = 0 (AR rounds) where no K is expected to pay; SSD on one device
+    runs AR rounds at the buckets where its timed round does not pay. A warning where the plan expects
+    the method to lose to AR at its best K."""
+    from ssd_jax.decoding.slots import batch_buckets
+    from ssd_jax.drafters.vocab import load_with_head
+    from ssd_jax.planning import BucketPlans, BucketSwitch, configure
 
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
-    draft = load(spec.draft)
-    check_same_tokenizer(model, draft)
-    # draft_dtype / draft_vocab "auto": the variant calibrated fastest at --max-batch rows
-    spec, _, _ = choose_draft_variant(model, dataclasses.replace(spec, draft=draft), args.max_batch, load)
-    spec = dataclasses.replace(spec, draft=args.draft)
-    if spec.draft_dtype is not None:
-        draft = with_weight_dtype(draft, spec.draft_dtype)
-    if spec.draft_vocab is not None:
-        draft = trimmed_draft(draft, spec.draft_vocab, load)
-    return spec, draft
-
-
-def _resolved_k(args, spec, model, draft):
-    """(spec with K resolved, the start-up line's note on it): K auto is measured (or read from the cache)
-    for this pair at --max-batch rows and at each batch bucket; SD chooses K per round by the running rows'
-    bucket, K = 0 (AR rounds) where no K is expected to pay; SSD on one device runs AR rounds at the
-    buckets where its timed round does not pay (``ssd.plan.BucketSwitch``). A warning where SSD on two
-    meshes (K fixed) is expected to lose to AR."""
-    if spec.method == "ar" or spec.k != "auto":
-        return spec, ""
-    from ssd_jax import load_model
-    from ssd_jax.analysis.kchoice import BucketPlans
-    from ssd_jax.decoding.kauto import resolve_k
-    from ssd_jax.decoding.slots import batch_buckets
-    from ssd_jax.decoding.ssd.plan import BucketSwitch
-    from ssd_jax.sampling.filters import SamplingParams
-
-    with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
     buckets = batch_buckets(args.max_batch, args.batch_buckets)
-    resolved, info, _ = resolve_k(
-        model, with_draft, SamplingParams(), args.max_batch, load_model, buckets=buckets
-    )
-    plan = resolved.k_plan
-    # SSD on one device: AR rounds at the buckets where its round cannot pay
-    if "ssd_plan" in info and not info["ssd_overlap_model"]:
-        plan = BucketSwitch(int(resolved.k), float(info["ssd_plan"]["tokens_per_round"]))
-    spec = dataclasses.replace(spec, k=int(resolved.k), k_plan=plan, fan_out_budget=resolved.fan_out_budget)
-    if isinstance(plan, BucketSwitch):  # the buckets' choice is made once the rounds are compiled and timed
+    spec, plan = configure(model, spec, rows=args.max_batch, load=load, buckets=buckets, serving=True)
+    print(f"[serve] {plan.line()}", file=sys.stderr, flush=True)
+    info, policy = plan.k_auto, spec.k_plan
+    if spec.method == "ar" or info is None or "alpha" not in info:
+        return spec, "" if info is None else f" (auto: {info['source']})"
+    if isinstance(policy, BucketSwitch):  # the buckets' choice is made once the rounds are compiled and timed
         return (
             spec,
-            f" (auto: alpha {info['alpha']:.2f}, {plan.tokens_per_round:.2f} tokens a round; {info['source']})",
+            f" (auto: alpha {info['alpha']:.2f}, {policy.tokens_per_round:.2f} tokens a round; {info['source']})",
         )
-    if isinstance(plan, BucketPlans):
-        return spec, f" (auto: alpha {info['alpha']:.2f}; by running rows {plan.summary()}; {info['source']})"
-    expected = info["expected_speedup_by_k"][str(spec.k)]
-    if plan is not None and plan.choose(plan.alpha) == 0:
+    if isinstance(policy, BucketPlans):
+        return (
+            spec,
+            f" (auto: alpha {info['alpha']:.2f}; by running rows {policy.summary()}; {info['source']})",
+        )
+    expected = plan.predicted["expected_speedup"]
+    if policy is not None and policy.k_for(None, policy.alpha) == 0:
         return (
             spec,
             f" (auto: alpha {info['alpha']:.2f}, K=0: AR rounds until acceptance pays; {info['source']})",
         )
     if expected < 1.0:
         print(
-            f"[serve] warning: at {args.max_batch} rows K auto's calibration expects --method {spec.method} to run at "
-            f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster "
-            "(docs/serving.md)",
+            f"[serve] warning: at {args.max_batch} rows the plan expects --method {spec.method} to run at "
+            f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster (docs/serving.md)",
             file=sys.stderr,
             flush=True,
         )
@@ -257,7 +221,7 @@ def _paged_note(core) -> str:
     return f" kv=paged:{pool.n_blocks}x{pool.block_size} prefix-caching={'on' if pool.caching else 'off'}"
 
 
-def _serving_engine(args, spec, model, draft, max_len):
+def _serving_engine(args, spec, model, max_len):
     """(the serving engine, its metrics, the method): every program compiled."""
     from ssd_jax import load_model
     from ssd_jax.engine.core import ALL_MODES, Engine
@@ -267,8 +231,7 @@ def _serving_engine(args, spec, model, draft, max_len):
 
     metrics = Metrics(0 if spec.method == "ar" else int(spec.k))
     spec.validate()
-    with_draft = dataclasses.replace(spec, draft=draft if draft is not None else spec.draft)
-    method = build_method(model, with_draft, ALL_MODES, load_model)
+    method = build_method(model, spec, ALL_MODES, load_model)
     core = Engine(
         method,
         max_batch=args.max_batch,

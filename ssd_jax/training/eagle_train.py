@@ -195,7 +195,7 @@ def train_head(
     summary = {"out": out, "steps": steps, "train_s": train_s, "scored_tokens": toks_seen,
                "head_params": eagle.count_head_params(head), "layers": list(spec.layers)}  # fmt: skip
     if held is not None:  # K = 8 (K auto's largest): the curve K auto reads from the head's file
-        from ssd_jax.analysis.kchoice import K_MAX
+        from ssd_jax.decoding.spec import K_MAX
 
         ev = evaluate_head(jax.device_get(head), target, spec, *held, k=K_MAX, ids=ids_d)
         summary["held_out"] = ev
@@ -313,7 +313,7 @@ def warm_start(head, src: str, target, spec, ids) -> tuple[dict, dict[str, Any]]
     and shapes (``--head-mlp``); anything else is refused in one line."""
     import jax
 
-    from ssd_jax.engine.methods.eagle import PREFIX, eagle_source, load_eagle
+    from ssd_jax.drafters.eagle import PREFIX, eagle_source, load_eagle
     from ssd_jax.loading.registry import sha256_file
 
     ref = PREFIX + src.removeprefix(PREFIX)

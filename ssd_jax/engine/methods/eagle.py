@@ -11,85 +11,12 @@ import numpy as np
 
 from ssd_jax.decoding.sd_eagle import Pending, eagle_prefill_program, eagle_round_program
 from ssd_jax.drafters import eagle
+from ssd_jax.drafters.eagle import PREFIX, eagle_source, is_eagle, load_eagle
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method
 from ssd_jax.engine.methods.sd import SDRound
 
-PREFIX = "eagle:"
-
-
-def eagle_source(draft) -> str | None:
-    """Where an EAGLE head given as a draft lives (a ``head.safetensors`` file or a directory holding
-    one), or None if ``draft`` is not a head. A head is ``eagle:PATH`` (PATH a file, a directory or a
-    shipped name), or a directory or shipped name (``checkpoints/<name>/``, as draft models are found)
-    that holds a ``head.safetensors``."""
-    from pathlib import Path
-
-    from ssd_jax.loading.draft import resolve_head
-
-    if not isinstance(draft, str):
-        return None
-    ref, forced = (draft[len(PREFIX) :], True) if draft.startswith(PREFIX) else (draft, False)
-    p = Path(ref).expanduser()
-    if (forced and p.is_file()) or (p / eagle.HEAD_WEIGHTS).is_file():
-        return str(p)
-    if ref and "/" not in ref and not p.exists() and (d := resolve_head(ref)) is not None:
-        return str(d)
-    return ref if forced else None  # eagle:PATH that is not there: load_head says so
-
-
-def is_eagle(draft) -> bool:
-    return eagle_source(draft) is not None
-
-
-def eagle_spec(spec, model, batch: int):
-    """(``spec`` with an EAGLE head as its draft, ready for the engine; K auto's info or None; seconds
-    spent measuring). K auto: :func:`ssd_jax.decoding.kauto_head.choose_head_k`. A head has no weight
-    variants (its vocabulary is the one it was trained with). One-line errors for what a head does not
-    do yet."""
-    import dataclasses
-
-    from ssd_jax.decoding.kauto_head import choose_head_k
-    from ssd_jax.errors import UserError
-
-    if spec.method not in ("sd", "ssd"):
-        raise UserError(f"an EAGLE head drafts for --method sd or ssd, not {spec.method}")
-    if spec.method == "ssd" and spec.backup not in ("auto", "neural"):
-        raise UserError(f"SSD with an EAGLE head has the neural backup only (not --backup {spec.backup})")
-    for opt, v in (("--draft-vocab", spec.draft_vocab), ("--draft-dtype", spec.draft_dtype)):
-        if v not in (None, "auto"):
-            raise UserError(
-                f"{opt} does not apply to an EAGLE head (its vocabulary and dtype are fixed in training)"
-            )
-    info = None
-    if spec.k == "auto":
-        head, meta = load_eagle(model, spec.draft)
-        k, info = choose_head_k(model, head, meta, batch)
-    else:
-        k = int(spec.k)
-    spec = dataclasses.replace(spec, k=k, k_plan=None, draft_dtype=None, draft_vocab=None)
-    return spec, info, (info or {}).get("calibration_s", 0.0)
-
-
-def load_eagle(model, draft: str):
-    """(head parameters, meta) of a head (:func:`eagle_source`), checked against the target."""
-    from ssd_jax.errors import UserError
-
-    head, meta = eagle.load_head(eagle_source(draft))
-    dt = model.cfg.jnp_dtype  # a head stored in bfloat16 runs in the target's dtype
-    head = jax.tree.map(
-        lambda x: x.astype(dt) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) else x, head
-    )
-    spec = eagle.HeadSpec(tuple(int(i) for i in meta["layers"]))
-    spec.validate(model.cfg)
-    if meta.get("target_sha256") not in (None, model.weights_sha256):
-        raise UserError(f"the head {draft} was trained for another target ({meta.get('target')})")
-    D = model.cfg.hidden_size
-    if head["fc"].shape != (len(spec.layers) * D, D):
-        raise UserError(
-            f"the head {draft} does not fit this target (width {head['fc'].shape[1]}, target {D})"
-        )
-    return head, meta
+__all__ = ["PREFIX", "SDEagle", "eagle_source", "is_eagle", "load_eagle"]
 
 
 class SDEagle(Method):

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from ssd_jax.analysis.kchoice import OnlineK
+from ssd_jax.planning.policy import OnlineK
 from ssd_jax.compile import Compiled
 from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.sd import host_width, sd_round_program, sd_steps
@@ -56,13 +56,13 @@ class SD(Method):
         self.draft = drafter.model if self.kind == "model" else None
         self.K = int(spec.k)
         plan = spec.k_plan if self.kind != "random" else None
-        self.sched = OnlineK(plan, self.K) if plan is not None else None
+        self.sched = OnlineK(plan) if plan is not None else None
         # the Ks the plan can pick at some acceptance (programs for the others would never run); K = 0 is
         # an AR round (for a draft model: with the draft idle, ``ssd_jax.decoding.sd_lag``)
         self.plan = plan
         ks = {self.K}
-        if plan is not None:  # by bucket: the exploring rounds' Ks too (kchoice.EXPLORE_EVERY)
-            ks |= plan.ks_used() if hasattr(plan, "plans") else set(plan.table.tolist())
+        if plan is not None:  # the exploring rounds' Ks too (policy.EXPLORE_EVERY)
+            ks |= plan.ks_at(None)
         self.widths = sorted(ks | ({0} if self.kind == "host" else set()))
         self.lags = self.kind == "model" and 0 in self.widths
         self.k_max = max(self.widths)
@@ -119,11 +119,9 @@ class SD(Method):
     def widths_at(self, bucket: int) -> list[int]:
         """The Ks a round of ``bucket`` rows may run: those its plan picks at some acceptance (with one
         plan: every bucket's; n-gram: 0 too, a round without proposals)."""
-        plan = self.plan
-        if plan is None or not hasattr(plan, "plans"):
+        if self.plan is None:
             return self.widths
-        own = plan.plan(bucket).ks_used() | ({0} if self.kind == "host" else set())
-        return sorted(own)
+        return sorted(self.plan.ks_at(bucket) | ({0} if self.kind == "host" else set()))
 
     def compile_rounds(self, windows) -> None:
         """Every round program a bucket may run (a server compiles them all at start-up: one per mode,

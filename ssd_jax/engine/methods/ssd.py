@@ -17,7 +17,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
-from ssd_jax.decoding.ssd.plan import BucketSwitch
+from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.decoding.trace import Timeline
@@ -172,7 +172,7 @@ class SSD(Method):
     def _choose_buckets(self, windows, repeats: int = 5) -> None:
         """At each bucket: time the compiled SSD round and AR round (the median of ``repeats`` over free
         slots, the widest window, the first mode) and keep AR rounds where SSD's does not pay
-        (:class:`~ssd_jax.decoding.ssd.plan.BucketSwitch`)."""
+        (:class:`~ssd_jax.planning.policy.BucketSwitch`)."""
         off, mode, w = np.zeros(self.B, bool), self.modes[0], max(windows)
 
         def timed(ar: bool, b: int) -> float:

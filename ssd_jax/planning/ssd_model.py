@@ -1,10 +1,10 @@
 """SSD's own round: the K and the fan-out budget M that its cost model expects to be fastest.
 
-SD's K auto (:mod:`ssd_jax.decoding.kauto`) prices a round as ``K`` draft steps plus one verify.
+SD's round model (:mod:`ssd_jax.planning.sd_model`) prices a round as ``K`` draft steps plus one verify.
 An SSD round is different (docs/reference.md §4 and §6): while the target verifies ``K + 1``
 tokens, the draft re-runs the round's tokens and builds ``M`` branches per row for ``K`` steps;
 on a cache hit the next round's speculation is ready at once, on a miss the neural backup
-drafts ``K`` tokens first. Pure numpy, host side, from one calibration record:
+drafts ``K`` tokens first. Pure numpy, host side, from one :class:`~ssd_jax.planning.records.Calibration`:
 
 * hits are simulated, not assumed: on the target's greedy continuation, a round starting at
   ``t`` accepts the draft's leading matches ``a`` (teacher-forced argmax, as SD's α is
@@ -23,12 +23,11 @@ Expected speedup over AR: ``S = E[tokens a round]·t_ar / (p_hit·T_hit + (1 −
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from ssd_jax.analysis.kchoice import interpolate_verify
+from ssd_jax.decoding.spec import K_MAX
 from ssd_jax.decoding.ssd.fanout import geometric_fanout
+from ssd_jax.planning.sd_model import interpolate_verify
 
 #: the miss exponent r the schedule assumes before a run has measured its own (FanoutEstimator's prior)
 R_PRIOR = 0.4
@@ -68,20 +67,20 @@ def simulate_rounds(ranks: np.ndarray, start: int, K: int, schedule: np.ndarray)
 
 
 def round_plans(
-    rec: dict, batch: int, overlap: bool, ks=range(1, 9), budgets: dict[int, list[int]] | None = None
+    cal, batch: int, overlap: bool, ks=range(1, K_MAX + 1), budgets: dict[int, list[int]] | None = None
 ) -> list[dict]:
-    """Every (K, M) the record can price, with its simulated hit rate, tokens a round, round times
-    and expected speedup over AR. ``budgets``: the M to try per K (default ``m·(K+1)`` for
+    """Every (K, M) the calibration ``cal`` can price, with its simulated hit rate, tokens a round, round
+    times and expected speedup over AR. ``budgets``: the M to try per K (default ``m·(K+1)`` for
     :data:`M_PER_POSITION`); ``overlap``: the draft builds on devices of its own."""
-    c = rec["costs"]
-    t_ar, t_rows = c["t_ar"], {int(r): s for r, s in c["t_draft_rows"].items()}
-    t_verify = interpolate_verify({int(k): v for k, v in c["t_verify"].items()})
-    ranks = [np.asarray(r, np.int64) for r in rec["ranks"]]
-    start = int(rec["rank_start"])
+    c = cal.costs
+    t_ar, t_rows = c.t_ar, dict(c.t_draft_rows)
+    t_verify = interpolate_verify(c.t_verify)
+    ranks = cal.rank_arrays()
+    start = int(cal.rank_start)
     out = []
     for K in ks:
         for M in (budgets or {}).get(K) or [m * (K + 1) for m in M_PER_POSITION]:
-            sched = geometric_fanout(rec["alpha"], R_PRIOR, K, M)
+            sched = geometric_fanout(cal.alpha, R_PRIOR, K, M)
             n = h = tok = 0
             for r in ranks:
                 a, b, t = simulate_rounds(r, start, K, sched)
@@ -118,29 +117,26 @@ def best_plan(plans: list[dict]) -> dict:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class BucketSwitch:
-    """SSD's K auto in a server on one device: at each batch bucket, rounds at the calibrated K or AR
-    rounds (K = 0, the draft idle; :mod:`ssd_jax.decoding.sd_lag`) where its round cannot pay.
+def candidate_budgets(spec, ks, n_draft_devices: int) -> dict[int, list[int]]:
+    """The fan-out budgets M to price per K within what ``spec`` fixes: a given budget or a uniform
+    fan-out stays as given; else ``m·(K+1)`` for :data:`M_PER_POSITION`, rounded up to divide over the
+    draft's devices."""
+    out = {}
+    for k in ks:
+        if spec.fan_out != "geometric":
+            out[k] = [int(spec.fan_out) * (k + 1)]
+        elif spec.fan_out_budget is not None:
+            out[k] = [int(spec.fan_out_budget)]
+        else:
+            out[k] = sorted({-(-m * (k + 1) // n_draft_devices) * n_draft_devices for m in M_PER_POSITION})
+    return out
 
-    SSD's K and fan-out budget fix its tree's shapes, so the choice per bucket is binary. It is made at
-    start-up from what the engine's own compiled rounds cost at that bucket (timed, not modelled: the
-    one-device round model above underprices the fused round) and the tokens a round emits per row
-    (:func:`round_plans`' simulation): speculate where ``tokens_per_round · t_ar(b) > t_round(b)``.
-    ``zero`` fixes the AR buckets instead (tests)."""
 
-    k: int
-    tokens_per_round: float
-    zero: tuple[int, ...] | None = None
-
-    @property
-    def ks(self) -> tuple[int, ...]:
-        return (self.k,)
-
-    def choose(self, alpha: float, bucket: int | None = None) -> int:
-        return self.k
-
-    def speculates(self, bucket: int, t_round: float, t_ar: float) -> bool:
-        if self.zero is not None:
-            return bucket not in self.zero
-        return self.tokens_per_round * t_ar > t_round
+def best_ssd_plan(cal, spec, batch: int, overlap: bool, n_draft_devices: int = 1) -> dict | None:
+    """SSD's best round (K, M) for ``spec`` from ``cal``, or None for a calibration without the
+    draft's step at several row counts (an SD record, a drafter without ranks)."""
+    if cal.costs.t_draft_rows is None or not cal.has_ranks:
+        return None
+    ks = range(1, K_MAX + 1) if spec.k == "auto" else [int(spec.k)]
+    plans = round_plans(cal, batch, overlap, ks, candidate_budgets(spec, ks, n_draft_devices))
+    return best_plan(plans) if plans else None

@@ -1,6 +1,25 @@
-"""K auto's measurement on this machine: the target's greedy continuation of built-in prompts,
+"""What the planner measures on this machine: the target's greedy continuation of built-in prompts,
 the draft's acceptance and the rank of each target token among its logits on it, and the stage
-costs at the run's batch (see :mod:`ssd_jax.decoding.kauto` for how they are used and cached)."""
+costs at the run's batch (:mod:`ssd_jax.planning.records` caches them; the models of
+:mod:`ssd_jax.planning.sd_model`, :mod:`~ssd_jax.planning.ssd_model` and
+:mod:`~ssd_jax.planning.head_model` price rounds with them).
+
+* ``t_ar``: median time of the target's compiled one-token decode step (:data:`TIMED_STEPS` steps);
+* ``t_verify(K+1)``: median time of the compiled verify forward at K + 1 tokens per row for K in
+  :data:`VERIFY_KS`;
+* ``t_draft_step``: the draft model's compiled one-token forward with its logits (0 for n-gram /
+  random), and for SSD the same at several row counts (``t_draft_rows``, its build);
+* ``c_round``: the host's n-gram lookup for the batch (0 for model / random drafts);
+* ``α``: the draft's GREEDY acceptance on the target's greedy continuation, by an offline simulation
+  of SD rounds at K = 8 (the draft's argmax on the target's tokens, teacher-forced; n-gram: the lookup
+  itself), as the maximum-likelihood estimate of a geometric acceptance: accepted / (accepted +
+  rejections). Random proposals: α = 1/V. :data:`ALPHA_PRIOR` (``alpha_source: "prior"``) only
+  when the continuation gives no evidence (a context window too short to calibrate in).
+
+The rows are the built-in texts (raw code and prose, :data:`CAL_TEXTS`) and chat requests in the
+model's chat template (:data:`CAL_CHATS`), one row each whatever the batch; the costs are timed at the
+run's batch size.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +28,8 @@ import time
 
 import numpy as np
 
-from ssd_jax.analysis.kchoice import K_MAX
 from ssd_jax.decoding.sd import sd_steps
+from ssd_jax.decoding.spec import K_MAX
 from ssd_jax.drafters.ngram import ngram_lookup, ngram_proposals
 from ssd_jax.parallel.placement import cache_for, put_on
 

@@ -1,4 +1,4 @@
-"""``--k auto`` for an EAGLE-style head (:mod:`ssd_jax.drafters.eagle`).
+"""The round model of SD with an EAGLE-style head (:mod:`ssd_jax.drafters.eagle`), and its K.
 
 A head's acceptance is not geometric: its first proposal reads the target's features, the later ones
 its own fed-back outputs, and those are weaker. So K comes from the head's own curve instead of one α::
@@ -9,8 +9,8 @@ its own fed-back outputs, and those are weaker. So K comes from the head's own c
   held-out prompts (teacher-forced, greedy) and stored in its file (``acceptance_by_position``). Beyond
   the curve's last position it falls by the curve's last ratio.
 * ``t_ar``, ``t_verify``: the target's decode step and verify forward, timed as for a draft model's K
-  auto (:func:`ssd_jax.decoding.calibration.target_part`) and cached the same way (one file per device,
-  jax version, target and batch size).
+  auto (:func:`ssd_jax.planning.calibration.target_part`) and cached the same way
+  (:meth:`ssd_jax.planning.records.Calibrator.target_costs`).
 * ``t_head``: one draft step, priced as ``t_ar`` times the bytes of weight matrices it reads (its layer,
   input maps and the LM head rows it keeps) over the target's: decode at small batches reads weights.
 
@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ssd_jax.analysis.kchoice import K_MAX, best_k, interpolate_verify
+from ssd_jax.decoding.spec import K_MAX
+from ssd_jax.planning.records import Calibrator
+from ssd_jax.planning.sd_model import best_k, interpolate_verify
 
 DEFAULT_K = 4
 
@@ -66,20 +68,18 @@ def choose_head_k(model, head: dict, meta: dict, batch: int) -> tuple[int, dict]
     curve = meta.get("acceptance_by_position")
     if not curve:
         return DEFAULT_K, {"source": "default (the head stores no acceptance curve)"}
-    from ssd_jax.decoding.kauto import target_costs
-
     t0 = time.perf_counter()
-    c, source, path = target_costs(model, batch)
-    t_ar = float(c["t_ar"])
+    cal = Calibrator(model).target_costs(batch)
+    t_ar = float(cal.costs.t_ar)
     t_head = t_ar * head_step_bytes(model, head) / max(_matrix_bytes(model.params), 1)
-    sp = head_speedups(curve, t_ar, interpolate_verify({int(k): v for k, v in c["t_verify"].items()}), t_head)
+    sp = head_speedups(curve, t_ar, interpolate_verify(cal.costs.t_verify), t_head)
     k = best_k(sp)
     return k, {
-        "source": source,
+        "source": cal.source,
         "t_ar": t_ar,
         "t_head": t_head,
         "acceptance_by_position": list(curve),
         "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()},
-        "calibration_s": time.perf_counter() - t0 if source == "measured" else 0.0,
-        "cache_file": str(path),
+        "calibration_s": time.perf_counter() - t0 if cal.source == "measured" else 0.0,
+        "cache_file": str(cal.path),
     }

@@ -1,0 +1,266 @@
+"""The planner's one entry: :func:`configure` turns the user's spec into the spec the engine runs, and a
+:class:`Plan` that says what was measured, what was predicted and what was chosen.
+
+``generate()``, the server and the benchmarks (through ``generate()``) call it once per run, before the
+method is built. What it decides, in order, each step reading only what the steps before it produced:
+
+1. **the draft**: an EAGLE-style head (its K from its own acceptance curve, :mod:`.head_model`), a draft
+   model, or the n-gram / random drafters;
+2. **the draft's variant** (``draft_dtype`` / ``draft_vocab`` "auto", :mod:`.variants`): each variant
+   worth trying is calibrated (:class:`.records.Calibrator`, cached on disk) and priced by its method's
+   round model; the fastest is kept;
+3. **K** (``k="auto"``): SD's S(K) (:mod:`.sd_model`) or SSD's round model (:mod:`.ssd_model`, which
+   also chooses the fan-out budget), from the chosen variant's calibration;
+4. **the policy** the engine asks every round (:mod:`.policy`): SD on one device re-chooses K from its
+   own acceptance (per batch bucket in a server, K = 0 where nothing pays); SSD in a one-device server
+   runs AR rounds at the buckets where its timed round does not pay.
+
+Across processes every process measures, and all take process 0's choices (fixed K).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ssd_jax.drafters.base import check_same_tokenizer
+from ssd_jax.drafters.eagle import is_eagle, load_eagle
+from ssd_jax.errors import UserError
+from ssd_jax.parallel.distributed import agree, multi_process
+from ssd_jax.planning.head_model import choose_head_k
+from ssd_jax.planning.policy import BucketPlans, BucketSwitch, KPlan
+from ssd_jax.planning.records import Calibration, Calibrator
+from ssd_jax.planning.sd_model import best_k, speedups_of
+from ssd_jax.planning.variants import (
+    apply_variant,
+    draft_variants,
+    fixed_variant,
+    forget_unchosen,
+    measure_variants,
+    ssd_best,
+    two_meshes,
+)
+
+__all__ = ["Plan", "configure"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a run's automatic choices rest on. ``measured``: the calibration (α, stage costs, cache or
+    measured, its file); ``predicted``: the models' expected speedups; ``chosen``: K, the draft's
+    variant, SSD's budget, the per-bucket policy. ``k_auto`` / ``draft_auto``: the same, in the run
+    metrics' older form."""
+
+    method: str
+    chosen: dict
+    measured: dict | None = None
+    predicted: dict | None = None
+    calibration_s: float = 0.0
+    k_auto: dict | None = None
+    draft_auto: dict | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "method": self.method,
+            "chosen": self.chosen,
+            "measured": self.measured,
+            "predicted": self.predicted,
+            "calibration_s": self.calibration_s,
+            "line": self.line(),
+        }
+
+    def line(self) -> str:
+        """One line: e.g. ``plan: sd K=4 adaptive (1: K=4 1.52x, 8: K=0 (AR)); alpha 0.71 (cache);
+        t_ar 12.1 ms, t_verify(K+1) 14.0 ms, draft step 3.1 ms; expected 1.52x AR; draft bfloat16/32768``."""
+        c = self.chosen
+        out = f"plan: {self.method}"
+        if self.method == "ar":
+            return out
+        out += f" K={c['k']}" + (" (auto)" if self.k_auto else " (given)")
+        if c.get("by_bucket"):
+            out += f" by running rows {c['by_bucket']}"
+        elif c.get("adaptive"):
+            out += " adaptive"
+        if c.get("fan_out_budget") is not None:
+            out += f" budget={c['fan_out_budget']}"
+        m, p = self.measured or {}, self.predicted or {}
+        if "alpha" in m:
+            out += f"; alpha {m['alpha']:.2f} ({m['source']})"
+        if "t_ar" in m:
+            out += f"; t_ar {1e3 * m['t_ar']:.2f} ms, t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
+            if m.get("t_draft_step"):
+                out += f", draft step {1e3 * m['t_draft_step']:.2f} ms"
+        if p.get("expected_speedup") is not None:
+            out += f"; expected {p['expected_speedup']:.2f}x AR"
+        if p.get("variants"):
+            dt, dv = c.get("draft_dtype") or "target dtype", c.get("draft_vocab") or "full head"
+            out += f"; draft {dt}/{dv} of {len(p['variants'])} variants"
+        return out
+
+
+def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False):
+    """(the spec the engine runs: a loaded draft as it will run, integer K, its policy; the :class:`Plan`).
+
+    ``rows``: the batch the run's cost is measured at (a server's slots); ``load``: how a draft named by
+    a string is loaded; ``buckets``: the engine's batch buckets (a plan per bucket for SD on one
+    device); ``serving``: a server (SSD on one device gets its per-bucket switch)."""
+    if is_eagle(spec.draft):
+        return _configure_head(model, spec, rows)
+    calibrator = Calibrator(model)
+    spec, draft_auto, variant_s = _choose_variant(calibrator, spec, rows, load)
+    spec, k_auto, cal, policy = _choose_k(calibrator, spec, rows, buckets, serving)
+    if k_auto is not None and multi_process() and two_meshes(spec):  # all take process 0's K, fixed
+        budget = spec.fan_out_budget
+        spec = dataclasses.replace(
+            spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
+        )
+        policy = None
+    plan = _plan(spec, cal, k_auto, draft_auto, policy, variant_s + (k_auto or {}).get("calibration_s", 0.0))
+    return spec, plan
+
+
+def _choose_variant(calibrator: Calibrator, spec, rows: int, load):
+    """(spec with a concrete ``draft_dtype`` / ``draft_vocab`` and, for a draft model, the loaded draft
+    as it will run; the ``draft_auto`` record or None; seconds spent measuring)."""
+    if spec.method == "ar" or spec.draft is None or spec.draft in ("ngram", "random"):
+        dt, dv = fixed_variant(spec)
+        return dataclasses.replace(spec, draft_dtype=dt, draft_vocab=dv), None, 0.0
+    model = calibrator.model
+    draft = load(spec.draft) if isinstance(spec.draft, str) else spec.draft
+    check_same_tokenizer(model, draft)
+    spec = dataclasses.replace(spec, draft=draft)
+    info, spent = None, 0.0
+    variants = draft_variants(model, spec, draft)
+    if "auto" not in (spec.draft_dtype, spec.draft_vocab) or len(variants) == 1:
+        dt, dv = variants[0]
+    else:
+        t0 = time.perf_counter()
+        measured_rows, measured = measure_variants(calibrator, spec, draft, rows, load)
+        best = max(measured_rows, key=lambda r: r["expected_speedup"])
+        if multi_process() and two_meshes(spec):  # a run across processes: all take process 0's choice
+            best = measured_rows[agree(measured_rows.index(best))]
+        dt, dv = best["draft_dtype"], best["draft_vocab"]
+        forget_unchosen(draft, model, spec, (dt, dv))
+        spent = time.perf_counter() - t0 if measured else 0.0
+        info = {
+            "chosen": {"draft_dtype": dt, "draft_vocab": dv},
+            "variants": measured_rows,
+            "calibration_s": spent,
+        }
+    spec = dataclasses.replace(spec, draft=apply_variant(draft, dt, dv, load), draft_dtype=dt, draft_vocab=dv)
+    return spec, info, spent
+
+
+def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
+    """(spec with an integer K, its policy and SSD's budget; the ``k_auto`` record or None; the
+    calibration or None; the policy or None)."""
+    if spec.k != "auto":
+        return spec, None, None, spec.k_plan
+    if spec.method == "ar":
+        return dataclasses.replace(spec, k=1), None, None, None  # AR ignores k
+    t0 = time.perf_counter()
+    draft = spec.draft if spec.draft not in ("ngram", "random") else None
+    cal = calibrator.record(spec, draft, rows)
+    sp = speedups_of(cal)
+    k, extra = best_k(sp), {}
+    if (best := ssd_best(cal, spec, rows)) is not None:  # SSD prices its own round: K and the budget
+        k = best["k"]
+        if spec.fan_out == "geometric" and spec.fan_out_budget is None:
+            spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
+        extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec)}
+    policy = None
+    if spec.method == "sd":  # K re-chosen every round (K = 0 an AR round), per bucket in a server
+        policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True)
+        if len(buckets) > 1 and not two_meshes(spec):
+            policy = BucketPlans(
+                tuple(_bucket_plan(calibrator, spec, draft, b, policy, rows) for b in buckets)
+            )
+    elif serving and extra and not two_meshes(spec):  # SSD's K and budget fix its tree: AR rounds or K
+        policy = BucketSwitch(int(k), float(best["tokens_per_round"]), cal.alpha)
+    info = {
+        **extra,
+        "alpha": cal.alpha,
+        "alpha_source": cal.alpha_source,
+        "costs": cal.costs.to_json(),
+        "expected_speedup_by_k": {str(i): round(s, 4) for i, s in sp.items()},
+        "source": cal.source,
+        "cache_file": str(cal.path),
+        "calibration_s": time.perf_counter() - t0 if cal.source == "measured" else 0.0,
+    }
+    return dataclasses.replace(spec, k=k, k_plan=policy), info, cal, policy
+
+
+def _bucket_plan(calibrator: Calibrator, spec, draft, bucket: int, full: KPlan, rows: int):
+    """(bucket, its plan): the calibration at ``bucket`` rows (``full``, the plan at ``rows``, for it)."""
+    if bucket == rows:
+        return bucket, full
+    cal = calibrator.record(spec, draft, bucket)
+    return bucket, KPlan.from_costs(cal.alpha, cal.costs, best_k(speedups_of(cal)), zero=True)
+
+
+def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: float) -> Plan:
+    chosen = {"k": None if spec.method == "ar" else int(spec.k)}
+    if spec.method != "ar":
+        chosen.update(draft_dtype=spec.draft_dtype, draft_vocab=spec.draft_vocab, adaptive=policy is not None)
+    if spec.method == "ssd":
+        chosen["fan_out_budget"] = spec.fan_out_budget
+    if isinstance(policy, BucketPlans):
+        chosen["by_bucket"] = policy.summary()
+    measured = predicted = None
+    if cal is not None:
+        c = cal.costs
+        tv = c.t_verify.get(int(spec.k), max(c.t_verify.values()))
+        measured = {
+            "alpha": cal.alpha,
+            "alpha_source": cal.alpha_source,
+            "t_ar": c.t_ar,
+            "t_verify": tv,
+            "t_draft_step": c.t_draft_step,
+            "source": cal.source,
+            "cache_file": str(cal.path),
+        }
+    if k_auto is not None:
+        ssd = k_auto.get("ssd_plan")
+        predicted = {
+            "expected_speedup": ssd["expected_speedup"]
+            if ssd
+            else k_auto["expected_speedup_by_k"].get(str(spec.k)),
+            "expected_speedup_by_k": k_auto["expected_speedup_by_k"],
+        }
+        if ssd:
+            predicted["ssd_round"] = ssd
+    if draft_auto is not None:
+        predicted = {**(predicted or {}), "variants": draft_auto["variants"]}
+    return Plan(spec.method, chosen, measured, predicted, spent, k_auto, draft_auto)
+
+
+def _configure_head(model, spec, rows: int):
+    """An EAGLE-style head as the draft: its K from its acceptance curve (:mod:`.head_model`); no weight
+    variants (its vocabulary and dtype are fixed in training). One-line errors for what a head does not
+    do yet."""
+    if spec.method not in ("sd", "ssd"):
+        raise UserError(f"an EAGLE head drafts for --method sd or ssd, not {spec.method}")
+    if spec.method == "ssd" and spec.backup not in ("auto", "neural"):
+        raise UserError(f"SSD with an EAGLE head has the neural backup only (not --backup {spec.backup})")
+    for opt, v in (("--draft-vocab", spec.draft_vocab), ("--draft-dtype", spec.draft_dtype)):
+        if v not in (None, "auto"):
+            raise UserError(
+                f"{opt} does not apply to an EAGLE head (its vocabulary and dtype are fixed in training)"
+            )
+    info = None
+    if spec.k == "auto":
+        head, meta = load_eagle(model, spec.draft)
+        k, info = choose_head_k(model, head, meta, rows)
+    else:
+        k = int(spec.k)
+    spec = dataclasses.replace(spec, k=k, k_plan=None, draft_dtype=None, draft_vocab=None)
+    measured = predicted = None
+    if info is not None and "t_ar" in info:
+        measured = {"acceptance_by_position": info["acceptance_by_position"], "t_ar": info["t_ar"],
+                    "t_head": info["t_head"], "source": info["source"], "cache_file": info["cache_file"]}  # fmt: skip
+        predicted = {
+            "expected_speedup": info["expected_speedup_by_k"][str(k)],
+            "expected_speedup_by_k": info["expected_speedup_by_k"],
+        }
+    chosen = {"k": k, "draft": "eagle head", "adaptive": False}
+    return spec, Plan(spec.method, chosen, measured, predicted, (info or {}).get("calibration_s", 0.0), info)
