@@ -4,12 +4,20 @@
 argument shapes is seen, records how long that took (reported as ``compile_s``), and afterwards
 calls the executable directly, so that a generation loop can never recompile behind the user's
 back. Every device step of the project (model steps, drafters, SD / SSD rounds) is one.
+
+:func:`use_persistent_cache` turns on JAX's persistent compilation cache for a run (every CLI and
+the server call it through :func:`ssd_jax.errors.cli_main`), so that a second run loads its
+programs instead of compiling them again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -71,3 +79,69 @@ class Compiled:
             exe = self._exe[key]
         self._last = exe
         return exe(*args)
+
+
+#: ``0`` (or off / false / no): no persistent compilation cache; a path: the cache under that folder
+CACHE_ENV = "SSD_JAX_COMPILE_CACHE"
+_OFF = ("0", "off", "false", "no")
+
+
+def cpu_tag() -> str:
+    """The host CPU's model name and ISA flags, read from ``/proc/cpuinfo`` (the machine name elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def persistent_cache_dir() -> Path | None:
+    """Where :func:`use_persistent_cache` puts the cache: ``None`` when ``SSD_JAX_COMPILE_CACHE`` is
+    off, else ``<folder>/jax-<version>-<hash of this CPU's model and flags>``, the folder being
+    ``$SSD_JAX_COMPILE_CACHE`` or ``<user cache>/jit`` (the user cache as in
+    :func:`ssd_jax.loading.registry.cache_root`: ``$SSD_JAX_CACHE`` or ``~/.cache/ssd_jax``).
+
+    JAX's own key (``jax/_src/cache_key.py``) hashes the program, the jaxlib version, the backend's
+    platform and version, ``XLA_FLAGS``, the compile options and the devices' topology; on CPU the
+    platform version is just ``cpu``, so nothing in it names the host's CPU model or ISA, while
+    XLA:CPU compiles for the host's instruction set. Hence the CPU subfolder: a home folder shared by
+    two machines never hands one of them the other's code. The jax version is in the name too.
+    """
+    value = os.environ.get(CACHE_ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    import jaxlib
+
+    if value:
+        base = Path(value).expanduser()
+    else:
+        base = (
+            Path(os.environ.get("SSD_JAX_CACHE") or Path.home() / ".cache" / "ssd_jax").expanduser() / "jit"
+        )
+    ident = f"{jax.__version__}\0{jaxlib.__version__}\0{platform.machine()}\0{cpu_tag()}"
+    return base / f"jax-{jax.__version__}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def use_persistent_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache for this process, caching every program; returns
+    its folder, or ``None`` when it is off. Call it before the first compilation (JAX decides once,
+    at its first compile, whether a cache is used).
+
+    ``SSD_JAX_COMPILE_CACHE=0`` turns it off (even one that ``JAX_COMPILATION_CACHE_DIR`` asks for);
+    a folder that ``JAX_COMPILATION_CACHE_DIR`` (or ``jax.config``) already names is kept as it is;
+    otherwise :func:`persistent_cache_dir`. The minimum compile time and entry size that JAX caches
+    become 0 unless their ``JAX_PERSISTENT_CACHE_MIN_*`` variables are set.
+    """
+    if os.environ.get(CACHE_ENV, "").strip().lower() in _OFF:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = jax.config.jax_compilation_cache_dir
+    if not path:
+        path = str(persistent_cache_dir())
+        jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no minimum, no override
+    return path

@@ -12,9 +12,13 @@ class UserError(Exception):
 
 
 def cli_main(run, argv=None) -> int:
-    """Run a CLI entry point: a UserError becomes one line on stderr and its exit status."""
+    """Run a CLI entry point: a UserError becomes one line on stderr and its exit status. JAX's
+    persistent compilation cache is turned on first (:func:`ssd_jax.compile.use_persistent_cache`)."""
     import sys
 
+    from ssd_jax.compile import use_persistent_cache
+
+    use_persistent_cache()
     try:
         return run(argv)
     except UserError as e:

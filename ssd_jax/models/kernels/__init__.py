@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.compile import cpu_tag
+
 ENV = "SSD_JAX_KERNELS"
 HERE = Path(__file__).parent
 #: compiled together into one library; HEADERS are hashed into the build key too
@@ -77,19 +79,6 @@ def cache_root() -> Path:
     return Path(base) / "ssd_jax" / "kernels"
 
 
-def _cpu_tag() -> str:
-    """The CPU's model and flags (``-march=native`` depends on them; a shared home may hold
-    builds for several machines)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    return "\n".join(sorted(set(keep)))
-
-
 @functools.cache  # once per process: build_id() is asked on every generate() with K auto
 def _compiler_version(cxx: str) -> str:
     try:
@@ -105,7 +94,7 @@ def _key(cxx: str, flags: tuple[str, ...]) -> str:
         _compiler_version(cxx).encode(),
         " ".join(flags).encode(),
         jax.__version__.encode(),
-        _cpu_tag().encode(),
+        cpu_tag().encode(),  # -march=native depends on it; a shared home may hold several machines' builds
     ):
         h.update(part)
         h.update(b"\0")
