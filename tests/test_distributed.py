@@ -6,58 +6,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from launch_helpers import launch_cmd, launch_env, prompt_id_args, tokens
 
 IDS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 N_NEW = 12
 
 
-def _launch_cmd(*args, no_kill=False):
-    return [
-        sys.executable,
-        "-m",
-        "ssd_jax.launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "2",
-        "--platform",
-        "cpu",
-        *(["--no-kill"] if no_kill else []),
-        "decode",
-        *args,
-    ]
-
-
-_CACHE = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """One JAX persistent compilation cache for this module's launcher runs (they share programs)."""
-    _CACHE["dir"] = str(tmp_path_factory.mktemp("jax-cache"))
-    yield
-    _CACHE.clear()
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher gives each process its own 2 devices
-    if "dir" in _CACHE:
-        env.update(
-            JAX_COMPILATION_CACHE_DIR=_CACHE["dir"],
-            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        )
-    return env
-
-
 def start(*args):
     return subprocess.Popen(
-        _launch_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        launch_cmd(*args, devices_per_process=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=launch_env(),
     )
 
 
@@ -72,7 +36,6 @@ def launch(*args):
 
 
 def _args(target, draft, *extra):
-    ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
     return [
         "--target",
         target,
@@ -82,7 +45,7 @@ def _args(target, draft, *extra):
         "2",
         "--draft-devices",
         "2",
-        *ids,
+        *prompt_id_args(IDS),
         "--max-new-tokens",
         str(N_NEW),
         "--ignore-eos",
@@ -91,11 +54,6 @@ def _args(target, draft, *extra):
         "3",
         *extra,
     ]
-
-
-def _tokens(res):
-    outs = res["outputs"] if isinstance(res, dict) else res.outputs
-    return [o["token_ids"] for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +67,7 @@ def models(tiny_llama_path, tiny_llama_draft_path):
 def ar_tokens(models):
     from ssd_jax import SamplingParams, generate
 
-    return _tokens(generate(models[0], IDS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)))
+    return tokens(generate(models[0], IDS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True)))
 
 
 # default set: sd (the ssd case is also run by test_launch_pinning and test_distributed_checkpoint)
@@ -127,7 +85,7 @@ def test_greedy_across_processes_equals_single_process_ar(
             *(["--backup", "auto"] if method == "ssd" else []),
         )
     )
-    assert _tokens(res) == ar_tokens
+    assert tokens(res) == ar_tokens
     dev = res["metrics"]["devices"]
     assert (dev["processes"], dev["target_processes"], dev["draft_processes"]) == (2, [0], [1])
 
@@ -154,7 +112,7 @@ def test_seeded_sampled_ssd_equals_the_single_process_run_and_merges_the_trace(
         ),
     )
     res = finish(run)
-    assert _tokens(res) == _tokens(ref)
+    assert tokens(res) == tokens(ref)
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert any(lane.startswith("process 0 ") for lane in lanes) and any(
@@ -174,11 +132,11 @@ def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_
     args = _args(tiny_llama_path, tiny_llama_draft_path, "--method", "ssd", "--backup", "neural")
     args[args.index("--max-new-tokens") + 1] = "400"
     p = subprocess.Popen(
-        _launch_cmd(*args, no_kill=no_kill),
+        launch_cmd(*args, devices_per_process=2, no_kill=no_kill),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=launch_env(),
     )  # survivor-notices: process 0 exits by itself (watchdog)
     try:
         pid1 = None
@@ -206,7 +164,7 @@ def test_killing_process_1_mid_run_ends_the_run_within_60_s(no_kill, tiny_llama_
 
 
 @pytest.mark.slow  # 15 s; the launcher test covers greedy SD on two meshes
-def test_sd_on_two_meshes_in_one_process_draws_the_single_device_tokens(models):
+def test_sd_on_two_meshes_in_one_process_draws_the_single_devicetokens(models):
     """The two-mesh SD round (draft call, target call, moves between) uses the keys of the fused round."""
     from ssd_jax import SamplingParams, SpecConfig, generate
 
@@ -218,5 +176,5 @@ def test_sd_on_two_meshes_in_one_process_draws_the_single_device_tokens(models):
         sp,
         spec=SpecConfig(method="sd", draft=models[1], k=3, target_devices=2, draft_devices=2),
     )
-    assert _tokens(two) == _tokens(one)
+    assert tokens(two) == tokens(one)
     assert two.metrics["calls_per_round"] == 2 and two.metrics["devices"]["draft"] == 2

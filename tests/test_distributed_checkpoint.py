@@ -5,12 +5,11 @@ device restore gives, and SSD with the draft in its own process emits greedy AR'
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
+from launch_helpers import launch_cmd, launch_env, ssd_decode_args
 from test_train import TARGET_CFG, save_tiny_target
 
 from ssd_jax.loading import draft as dfmt
@@ -114,43 +113,8 @@ def test_two_process_ssd_with_a_trained_draft_checkpoint_equals_ar(trained, tmp_
 
     path, _ = trained
     target = str(path.parent / "target")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the launcher gives each process its own device
-    ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
-    cmd = [
-        sys.executable,
-        "-m",
-        "ssd_jax.launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "1",
-        "--platform",
-        "cpu",
-        "decode",
-        "--target",
-        target,
-        "--draft",
-        str(path),
-        "--method",
-        "ssd",
-        "--target-devices",
-        "1",
-        "--draft-devices",
-        "1",
-        *ids,
-        "--max-new-tokens",
-        str(N_NEW),
-        "--ignore-eos",
-        "--k",
-        "2",
-        "--draft-dtype",
-        "float32",
-        "--draft-vocab",
-        "full",
-        "--json",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cmd = launch_cmd(*ssd_decode_args(target, path, IDS, N_NEW, 2))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     ar = generate(load_model(target), IDS, SamplingParams(max_new_tokens=N_NEW, ignore_eos=True))

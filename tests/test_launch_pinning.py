@@ -3,12 +3,12 @@
 XLA's thread pool follows, and a run records the cores each process used."""
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
+from launch_helpers import launch_cmd, launch_env, ssd_decode_args, tokens
 
 from ssd_jax.cli.launch import assign_cpus
 from ssd_jax.cli.launch import main as launch_main
@@ -21,19 +21,6 @@ AVAILABLE = cpus()
 needs_two_cores = pytest.mark.skipif(
     len(AVAILABLE) < 2, reason=f"needs 2 usable cores to give each process its own; this one has {AVAILABLE}"
 )
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one device per process (the launcher sets its own count)
-    env.pop(CPUS_ENV, None)
-    env.update(extra)
-    return env
-
-
-def _tokens(res):
-    outs = res["outputs"] if isinstance(res, dict) else res.outputs
-    return [o["token_ids"] for o in outs]
 
 
 def test_core_lists_parse():
@@ -83,7 +70,7 @@ def test_ssd_jax_cpus_pins_every_thread_and_sizes_xlas_pool():
         " 'eigen': sum(n.endswith('XLAEigen') for n in names)}))\n"
     )
     run = lambda extra: subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env(**extra)
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=launch_env(**extra)
     )
     p = run({CPUS_ENV: str(core)})
     assert p.returncode == 0, p.stderr[-2000:]
@@ -115,46 +102,13 @@ def test_a_run_records_its_cores(ar_run):
 def test_ssd_with_each_process_on_its_own_core_emits_ar_tokens(
     tiny_llama_path, tiny_llama_draft_path, ar_run
 ):
-    ids = [a for p in IDS for a in ("--prompt-ids", ",".join(map(str, p)))]
-    cmd = [
-        sys.executable,
-        "-m",
-        "ssd_jax.launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "1",
-        "--cpus-per-process",
-        "1",
-        "--platform",
-        "cpu",
-        "decode",
-        "--target",
-        tiny_llama_path,
-        "--draft",
-        tiny_llama_draft_path,
-        "--method",
-        "ssd",
-        "--target-devices",
-        "1",
-        "--draft-devices",
-        "1",
-        *ids,
-        "--max-new-tokens",
-        str(N_NEW),
-        "--ignore-eos",
-        "--k",
-        "3",
-        "--draft-dtype",
-        "float32",
-        "--draft-vocab",
-        "full",
-        "--json",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    cmd = launch_cmd(
+        *ssd_decode_args(tiny_llama_path, tiny_llama_draft_path, IDS, N_NEW, 3), cpus_per_process=1
+    )
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
-    assert _tokens(res) == _tokens(ar_run)
+    assert tokens(res) == tokens(ar_run)
     a, b = AVAILABLE[:2]
     m = res["metrics"]
     assert m["cpus"] == [a]  # process 0's own
