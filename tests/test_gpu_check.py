@@ -29,6 +29,16 @@ def test_full_shapes_have_qwen_parameter_counts():
     assert abs(count(gc.QWEN_05B) - 0.494e9) < 0.01e9  # Qwen2.5-0.5B: 0.49B
 
 
+def test_results_name_the_commit_and_jax():
+    gc = _module()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    want = head.stdout.strip() if head.returncode == 0 else "unknown"
+    assert gc.commit().split("+")[0] == want
+    import jax
+
+    assert gc.jax_version() == jax.__version__
+
+
 # slow (default-suite budget, 22 s): run it before a GPU check (make test-slow or pytest -m slow)
 @pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
@@ -57,6 +67,11 @@ def test_smoke_run_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + log[-3000:]
     res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert res["smoke"] and set(res["steps"]) == {"build", "device", "engine"}
+    assert (
+        res["commit"].split("+")[0] == _module().commit().split("+")[0]
+        and res["jax"] == _module().jax_version()
+    )
+    assert "--xla_backend_optimization_level=0" in res["xla_flags"]  # the smoke run's, as the engine saw them
     assert all(s["status"] == "ok" for s in res["steps"].values())
     assert res["steps"]["device"]["result"]["bandwidth_gb_s"]["read (sum)"] > 0
     rows = {r["method"]: r for r in res["engine_rows"]}

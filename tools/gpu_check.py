@@ -27,8 +27,13 @@ One results file: ``<out>/gpu_check.json`` and its table ``<out>/gpu_check.md`` 
 the log ``gpu_check.log``. The whole run stays under ``--budget-s`` (default 450 s), compiles
 included; each step gets at most what is left.
 
-STATUS: not yet run on a GPU (no GPU was lent to the session that wrote it); only ``--smoke``
-has run, on CPU, in the test suite (tests/test_gpu_check.py).
+Every results file records the commit (``git rev-parse HEAD``, or "unknown" outside a git
+checkout), the jax version and the XLA flags the engine ran with (``XLA_FLAGS`` after
+``ssd_jax``'s own defaults), so a number can be traced to the code and settings that gave it.
+
+Where it has run: only as ``--smoke`` on CPU, in the test suite (tests/test_gpu_check.py) and by
+hand on the 2-core development machine. It has not run on a GPU (no GPU was lent to the session
+that wrote it), and neither the full Qwen shapes nor the ``forward`` step have run anywhere.
 """
 
 from __future__ import annotations
@@ -317,13 +322,43 @@ def step_engine(cfg: dict, work: Path) -> dict:
                 f"{row['acceptance_rate']}",
                 flush=True,
             )
-    return {"load_s": load_s, "prompt_len": P, "new_tokens": N}
+    # the flags the engine's programs compiled with (ssd_jax adds its defaults on import)
+    return {"load_s": load_s, "prompt_len": P, "new_tokens": N, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 STEPS = {"build": step_build, "device": step_device, "engine": step_engine}
 
 
 # --- the driver -------------------------------------------------------------------------------
+
+
+def commit() -> str:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes to tracked files), or "unknown"."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=30
+        )
+        if head.returncode:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=30,
+        ).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def jax_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jax")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def run_step(name: str, cfg: dict, work: Path, limit: float, log) -> dict:
@@ -375,6 +410,8 @@ def render(res: dict) -> str:
         "",
         f"Device: {dev.get('backend', '?')} {dev.get('device_kind', '?')}, jax {dev.get('jax', '?')}; "
         f"total {res['total_s']:.0f} s of a {res['budget_s']:.0f} s budget.",
+        "",
+        f"Commit {res['commit']}, jax {res['jax']}, XLA_FLAGS `{res['xla_flags'] or '(none)'}`.",
         "",
         "| step | status | seconds |",
         "|---|---|---|",
@@ -471,9 +508,13 @@ def main(argv=None) -> int:
         status = f"ran on {dev['backend']} ({dev.get('device_kind')})"
     else:
         status = STATUS + f"; this run's backend: {dev.get('backend')}"
+    engine = steps.get("engine", {}).get("result", {})
     res = {
         "status": status,
         "smoke": a.smoke,
+        "commit": commit(),
+        "jax": jax_version(),
+        "xla_flags": engine.get("xla_flags", os.environ.get("XLA_FLAGS", "")),
         "config": cfg,
         "budget_s": a.budget_s,
         "total_s": time.perf_counter() - t0,
