@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   creates .venv, installs ssd_jax, fetches the default model, generates text
+#   make demo   creates .venv, installs ssd_jax, fetches the default models, prints AR, SD and SSD (its draft in a
+#               process of its own) on one prompt in one table
 #   make test   creates .venv with the test extras and runs the test suite
 #   make lint   ruff's linter and formatter check over the tree (ruff format . fixes the formatting)
 #   make kernels  builds the CPU kernels (matmul, attention) into ~/.cache/ssd_jax/kernels (else built on first use)
@@ -28,7 +29,7 @@ kernels: $(STAMP)
 	$(PY) -c "from ssd_jax.models import kernels; print(kernels.build(force=True))"
 
 demo: $(STAMP)
-	$(PY) -m ssd_jax.decode
+	$(PY) -m ssd_jax.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile

@@ -40,6 +40,8 @@ LAYERS = {
 #: ``python -m ssd_jax.<name>`` entry points kept at their old paths: each only imports its CLI
 SHIMS = {
     "ssd_jax.decode",
+    "ssd_jax.demo",
+    "ssd_jax.roundcost",
     "ssd_jax.launch",
     "ssd_jax.train",
     "ssd_jax.sdsl",

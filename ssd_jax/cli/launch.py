@@ -35,7 +35,7 @@ import time
 
 from ssd_jax.cli.args import Parser
 
-COMMANDS = {"decode": "ssd_jax.decode", "bench": "ssd_jax.bench"}
+COMMANDS = {"decode": "ssd_jax.decode", "bench": "ssd_jax.bench", "roundcost": "ssd_jax.roundcost"}
 #: seconds between SIGTERM and SIGKILL when stopping the remaining processes
 GRACE_S = 3.0
 

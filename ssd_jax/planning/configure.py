@@ -86,10 +86,14 @@ class Plan:
         m, p = self.measured or {}, self.predicted or {}
         if "alpha" in m:
             out += f"; alpha {m['alpha']:.2f} ({m['source']})"
+        if "acceptance_by_position" in m:
+            out += f"; head acceptance by position {[round(x, 2) for x in m['acceptance_by_position']]} ({m['source']})"
         if "t_ar" in m:
-            out += f"; t_ar {1e3 * m['t_ar']:.2f} ms, t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
-            if m.get("t_draft_step"):
-                out += f", draft step {1e3 * m['t_draft_step']:.2f} ms"
+            out += f"; t_ar {1e3 * m['t_ar']:.2f} ms"
+            if "t_verify" in m:
+                out += f", t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
+            if m.get("t_draft_step") or m.get("t_head"):
+                out += f", draft step {1e3 * (m.get('t_draft_step') or m['t_head']):.2f} ms"
         if p.get("expected_speedup") is not None:
             out += f"; expected {p['expected_speedup']:.2f}x AR"
         if p.get("variants"):

@@ -62,5 +62,5 @@ def row_schedule(
     if uniform:
         out[: n_draft + 1] = est.schedule(post_miss)[: n_draft + 1]
     else:
-        out[: n_draft + 1] = fo.geometric_fanout(est.a_post if post_miss else est.a, est.r, n_draft, M)
+        out[: n_draft + 1] = fo.geometric_fanout(*est.schedule_params(post_miss), n_draft, M)
     return out

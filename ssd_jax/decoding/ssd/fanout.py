@@ -64,6 +64,8 @@ speedups is a Möbius function of ``q``, hence monotone in ``b``: there is one c
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import numpy as np
@@ -75,6 +77,9 @@ R_CLIP = (0.01, 5.0)  # r range accepted by the schedule
 R_EST_CLIP = (0.05, 2.0)  # r range the online estimate is clipped to
 A0_POST = 0.05  # prior per-token acceptance after a fast-backup round
 MIN_COUNT_PER_F = 20  # outcomes needed at one F value before it enters the r fit
+#: the step a and r are rounded to before a schedule is built from them (a schedule is integers summing to
+#: the budget: a step this small moves a branch only where the unrounded values would be at a tie)
+SCHEDULE_STEP = 1.0 / 512
 
 
 # --- rounding and schedules ----------------------------------------------------------------
@@ -142,6 +147,11 @@ def geometric_fanout_real(a: float, r: float, K: int, budget: float) -> np.ndarr
 
 def geometric_fanout(a: float, r: float, K: int, budget: int) -> np.ndarray:
     """Theorem 12 fan-out rounded to ints: shape ``(K+1,)``, int64, summing exactly to ``budget``."""
+    return _geometric_fanout(float(a), float(r), int(K), int(budget)).copy()
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometric_fanout(a: float, r: float, K: int, budget: int) -> np.ndarray:
     return round_to_budget(geometric_fanout_real(a, r, K, 1.0), budget)
 
 
@@ -283,11 +293,23 @@ class FanoutEstimator:
         return self._fit_r()[1]
 
     # schedules
+    def schedule_params(self, post_miss: bool = False) -> tuple[float, float]:
+        """(a, r) the schedules are built from, rounded to :data:`SCHEDULE_STEP`: a round's tables are
+        rebuilt (and uploaded) only when these move, not after every round's small update."""
+        a = self.a_post if post_miss else self.a
+        return round(a / SCHEDULE_STEP) * SCHEDULE_STEP, round(self.r / SCHEDULE_STEP) * SCHEDULE_STEP
+
+    def key(self) -> tuple:
+        """What every schedule of this estimator is a function of (equal keys, equal schedules)."""
+        if self.mode == "uniform":
+            return ("uniform",)
+        return (*self.schedule_params(False), *self.schedule_params(True))
+
     def schedule(self, post_miss: bool = False) -> np.ndarray:
         """Fan-out ``(K+1,)`` int64 summing to ``budget``; ``post_miss`` after a fast-backup round."""
         if self.mode == "uniform":
             return uniform_fanout(int(self.uniform_F or 0), self.K)
-        return geometric_fanout(self.a_post if post_miss else self.a, self.r, self.K, self.budget)
+        return geometric_fanout(*self.schedule_params(post_miss), self.K, self.budget)
 
     def observe(
         self,

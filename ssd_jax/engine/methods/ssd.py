@@ -124,6 +124,7 @@ class SSD(Method):
         self.meta_next = np.zeros((B, META), np.int64)
         self.history = [np.zeros(0, np.int32)] * B
         self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
+        self._table_key, self._ctrls = self.est.key(), {}
         self.stats = SSDStats(B)
         self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
         self.costs = backup_cost_estimate(
@@ -253,8 +254,18 @@ class SSD(Method):
             self.bucket(bucket),
         )
 
+    _table_key = None
+
     def _ctrl(self, live):
-        return self.dput(self.ctl.pack(self.kb_tab, self.rb_tab, self.est.schedule(False)[: self.K], live))
+        """The round's control vector on the draft's device: uploaded once per (tables, live rows)."""
+        key = live.tobytes()
+        ctrl = self._ctrls.get(key)
+        if ctrl is None:
+            if len(self._ctrls) > 64:
+                self._ctrls.clear()
+            fan = self.sched[0, : self.K]  # the schedule of a row after a hit (layout_table's first row)
+            ctrl = self._ctrls[key] = self.dput(self.ctl.pack(self.kb_tab, self.rb_tab, fan, live))
+        return ctrl
 
     # --- admission
 
@@ -437,8 +448,10 @@ class SSD(Method):
         self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
         if "host" in self.kinds and not host_known:
             self._extend_history(out_h, live)
-        if self.adapts:
+        if self.adapts and self.est.key() != self._table_key:  # the schedules moved: new tables
+            self._table_key = self.est.key()
             self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+            self._ctrls.clear()
         k = K if self.switch is not None else None
         return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=k)
 

@@ -1,0 +1,247 @@
+"""The round-cost benchmark: what a round of AR, SD and SSD costs beyond its device work.
+
+    python -m ssd_jax.roundcost --model tiny --out experiments/results/roundcost/tiny
+    python -m ssd_jax.roundcost --model smollm2-135m-instruct --tokens 128 --out ...
+
+For each method and layout it measures, per round, the wall time of the decoding loop (decode only:
+compile and prefill excluded), the compiled calls the host dispatched, and the host syncs (device
+values read on the host: ``np.asarray`` of a device array, ``jax.block_until_ready``). A second pass
+with ``profile_stages`` times each stage as its own call (device time of the draft / build, verify and
+sample stages, each waited for); the difference between a round's wall time and the sum of its stages'
+is the round's fixed cost, the part a faster device does not remove.
+
+The layouts: ``one`` (both models on one device), ``meshes`` (two fake CPU devices in one process: the
+target on one, the draft on the other) and ``procs`` (two JAX processes on this machine through
+``python -m ssd_jax.launch``, one core each, the draft in process 1). ``--model tiny`` is a 2-layer,
+width-64 Llama with random weights and a 128-token vocabulary, its own draft (every proposal accepted,
+compute about zero: the round's cost is the engine's); any registry name (e.g.
+``smollm2-135m-instruct``) runs that target with its draft model (``--draft``, default the registry's
+default draft model). Each layout runs in a child process of its own (the device count is fixed when JAX
+starts); methods are interleaved within each repeat. Writes ``<out>.jsonl`` (one row per run) and
+``<out>.md`` (medians and 95% intervals over the repeats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+METHODS = ("ar", "sd", "ssd")
+LAYOUTS = ("one", "meshes", "procs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str
+    draft: str | None
+    tokens: int
+    k: int
+    repeats: int
+
+
+def tiny_model(seed: int = 0):
+    """The 2-layer, width-64 random Llama (vocabulary 128, no tokenizer) the engine's costs are measured on."""
+    from ssd_jax.loading.loaded import LoadedModel
+    from ssd_jax.models.config import ModelConfig
+    from ssd_jax.models.params import init_params
+
+    cfg = ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=4096, eos_token_ids=(1,),
+    )  # fmt: skip
+    return LoadedModel("tiny-2x64", cfg, init_params(cfg, seed, scale=0.15), None, f"seed{seed}", "")
+
+
+def _models(case: Case):
+    if case.model == "tiny":
+        m = tiny_model()
+        return m, m
+    import ssd_jax
+    from ssd_jax.drafters.vocab import load_with_head
+
+    target = ssd_jax.load_model(case.model)
+    return target, load_with_head(case.draft, dtype=target.cfg.dtype)
+
+
+class Counters:
+    """Compiled calls and host syncs, counted by wrapping the functions that make them: a sync is a
+    method's ``read`` of a round's results (its device-to-host copy) or a ``jax.block_until_ready``."""
+
+    def __init__(self):
+        import jax
+
+        import ssd_jax.engine.methods.eagle_ssd  # noqa: F401 - every method class, to count its reads
+        import ssd_jax.engine.methods.ssd  # noqa: F401
+        from ssd_jax.compile import Compiled
+        from ssd_jax.engine.methods.base import Method
+
+        self.calls = self.syncs = 0
+        call, block = Compiled.__call__, jax.block_until_ready
+
+        def counted_call(c, *a):
+            self.calls += 1
+            return call(c, *a)
+
+        def counted_block(x):
+            self.syncs += 1
+            return block(x)
+
+        Compiled.__call__, jax.block_until_ready = counted_call, counted_block
+        todo, seen = [Method], set()
+        while todo:  # every method class's own read
+            cls = todo.pop()
+            todo += cls.__subclasses__()
+            if "read" in cls.__dict__ and cls not in seen:
+                seen.add(cls)
+                cls.read = self._counted(cls.__dict__["read"])
+
+    def _counted(self, fn):
+        def read(method, *a, **kw):
+            self.syncs += 1
+            return fn(method, *a, **kw)
+
+        return read
+
+    def reset(self) -> None:
+        self.calls = self.syncs = 0
+
+
+def _spec(method: str, draft, layout: str, k: int, profile: bool):
+    from ssd_jax import SpecConfig
+
+    if method == "ar":
+        return SpecConfig()
+    devices = {} if layout == "one" else {"target_devices": 1, "draft_devices": 1}
+    extra = {"backup": "neural"} if method == "ssd" else {}
+    return SpecConfig(
+        method=method, draft=draft, k=k, draft_dtype=None, draft_vocab=None, profile_stages=profile,
+        **devices, **extra,
+    )  # fmt: skip
+
+
+def _one_run(target, spec, case: Case, counters: Counters, prompt) -> dict:
+    """One generation; per round: wall ms, compiled calls, host syncs (counted from the first round on)."""
+    from ssd_jax import SamplingParams, generate
+
+    sp = SamplingParams(max_new_tokens=case.tokens, ignore_eos=True)
+    counters.reset()
+    res = generate(target, [prompt], sp, spec)
+    m = res.metrics
+    rounds = max(1, m.get("verify_steps", m.get("steps", case.tokens)))
+    decode = m["wall_s"] - m["ttft_s"]
+    row = {
+        "rounds": rounds,
+        "tokens": m["generated_tokens"],
+        "round_ms": 1e3 * decode / rounds,
+        "decode_tok_s": m["decode_tokens_per_s"],
+        "calls_per_round": counters.calls / rounds,
+        "syncs_per_round": counters.syncs / rounds,
+        "acceptance_rate": m.get("acceptance_rate"),
+        "cache_hit_rate": m.get("cache_hit_rate"),
+    }
+    for stage in ("draft_s", "verify_s", "sample_s"):
+        if m.get(stage) is not None:
+            row[stage.replace("_s", "_ms")] = 1e3 * m[stage] / rounds
+    return row
+
+
+def measure_layout(case: Case, layout: str, methods=METHODS) -> list[dict]:
+    """Every method at one layout in this process (``repeats`` times, methods interleaved), then one
+    stage-profiled run each. Returns one row per run."""
+    import jax
+
+    from ssd_jax.parallel import distributed as dist
+
+    target, draft = _models(case)
+    counters = Counters()
+    prompt = (
+        [5, 6, 7, 8, 9, 10, 11, 12]
+        if case.model == "tiny"
+        else target.tokenizer.encode("def quicksort(arr):")
+    )
+    rows = []
+    # the stage split: SD's stages on one device only (on two meshes a round is one call per side)
+    plans = [
+        (m, p)
+        for m in methods
+        for p in (False, True)
+        if not p or m == "ssd" or (m == "sd" and layout == "one")
+    ]
+    for method, profile in plans:  # compile every program first (untimed)
+        _one_run(
+            target,
+            _spec(method, draft, layout, case.k, profile),
+            dataclasses.replace(case, tokens=8),
+            counters,
+            prompt,
+        )
+    for r in range(case.repeats):
+        for method, profile in plans:
+            if profile and r:
+                continue  # one profiled run per method: the stage split
+            row = _one_run(target, _spec(method, draft, layout, case.k, profile), case, counters, prompt)
+            row.update(method=method, layout=layout, profiled=profile, repeat=r, model=case.model, k=case.k)
+            row.update(loadavg=os.getloadavg()[0], jax=jax.__version__)
+            rows.append(row)
+            if dist.is_main():
+                print(
+                    json.dumps(
+                        {k: row[k] for k in ("layout", "method", "profiled", "round_ms", "calls_per_round")}
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return rows
+
+
+def _ci(xs: list[float]) -> str:
+    """Median and a 95% t-interval of the mean (``n < 2``: the value alone)."""
+    import numpy as np
+
+    if len(xs) < 2:
+        return f"{xs[0]:.3f}" if xs else "-"
+    from scipy import stats as sst
+
+    m, s = float(np.mean(xs)), float(np.std(xs, ddof=1))
+    h = sst.t.ppf(0.975, len(xs) - 1) * s / len(xs) ** 0.5
+    return f"{float(np.median(xs)):.3f} [{m - h:.3f}, {m + h:.3f}]"
+
+
+def report(rows: list[dict], title: str) -> str:
+    """The markdown table: per layout and method, wall ms per round (median [95% interval of the mean]),
+        the profiled stages' ms per round and what is left of the wall time beyond their critical path (one
+    device: their sum; two meshes or processes: the longer of draft and verify, plus sampling), calls and
+    syncs per round. A profiled stage is waited for on its own, so on two meshes it includes the moves."""
+    lines = [
+        f"# Round cost: {title}",
+        "",
+        "| layout | method | wall ms / round | stages ms / round (draft, verify, sample) | fixed ms / round "
+        "| calls / round | syncs / round | acceptance | hit rate | n |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for layout in LAYOUTS:
+        for method in METHODS:
+            plain = [r for r in rows if r["layout"] == layout and r["method"] == method and not r["profiled"]]
+            prof = [r for r in rows if r["layout"] == layout and r["method"] == method and r["profiled"]]
+            if not plain:
+                continue
+            walls = [r["round_ms"] for r in plain]
+            st = [prof[0].get(s, 0.0) for s in ("draft_ms", "verify_ms", "sample_ms")] if prof else None
+            stages = "-" if st is None else ", ".join(f"{x:.3f}" for x in st)
+            path = None if st is None else (sum(st) if layout == "one" else max(st[0], st[1]) + st[2])
+            fixed = "-" if st is None else f"{sorted(walls)[len(walls) // 2] - path:.3f}"
+            p = plain[-1]
+            acc = "-" if p["acceptance_rate"] is None else f"{p['acceptance_rate']:.2f}"
+            hit = "-" if p["cache_hit_rate"] is None else f"{p['cache_hit_rate']:.2f}"
+            lines.append(
+                f"| {layout} | {method} | {_ci(walls)} | {stages} | {fixed} | {p['calls_per_round']:.2f} "
+                f"| {p['syncs_per_round']:.2f} | {acc} | {hit} | {len(plain)} |"
+            )
+    load = [r["loadavg"] for r in rows]
+    lines += [
+        "",
+        f"Load average (1 min) during the runs: {min(load):.2f}-{max(load):.2f}; jax {rows[0]['jax']}.",
+    ]
+    return "\n".join(lines) + "\n"

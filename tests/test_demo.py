@@ -1,0 +1,35 @@
+"""``python -m ssd_jax.demo`` (``make demo``): the three commands it runs and its table (no models run here;
+the demo itself runs as ``make demo`` on a fresh clone)."""
+
+import argparse
+
+from ssd_jax.cli import demo
+
+
+def _res(tokens, **m):
+    base = {"decode_tokens_per_s": 10.0, "tokens_per_s": 8.0}
+    return {"outputs": [{"token_ids": tokens, "text": "x"}], "metrics": {**base, **m}}
+
+
+def test_the_table_says_which_methods_match_ar():
+    rows = demo.table(
+        {
+            "ar": _res([1, 2, 3]),
+            "sd": _res([1, 2, 3], draft="d", acceptance_rate=0.5),
+            "ssd": _res([1, 2, 4], draft="d", acceptance_rate=0.25, cache_hit_rate=0.75),
+        }
+    ).splitlines()
+    assert rows[2].startswith("| ar | - | 10.0 | 8.0 | - | - | - |")
+    assert rows[3].endswith("| 0.50 | - | yes |") and rows[4].endswith("| 0.25 | 0.75 | NO |")
+
+
+def test_ssd_runs_its_draft_in_a_process_of_its_own(monkeypatch):
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    args = argparse.Namespace(target="smollm2-135m-instruct", prompt="p", tokens=4)
+    cmds = demo._commands(args)
+    assert cmds["ar"][2:4] == ["ssd_jax.decode", "--target"] and "--method" not in cmds["ar"]
+    assert cmds["sd"][cmds["sd"].index("--draft") + 1] == "smollm2-135m-eagle"
+    ssd = cmds["ssd"]
+    assert ssd[ssd.index("--draft") + 1] == "smollm2-135m-draft"
+    assert ssd[ssd.index("--draft-devices") + 1] == "1"
+    assert ssd[2:6] == ["ssd_jax.launch", "--processes", "2", "--cpus-per-process"]
