@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 import sys
 
 METHODS = ("ar", "sd", "ssd")
@@ -162,18 +163,19 @@ def measure_layout(case: Case, layout: str, methods=METHODS) -> list[dict]:
         else target.tokenizer.encode("def quicksort(arr):")
     )
     rows = []
-    # the stage split: SD's stages on one device only (on two meshes a round is one call per side)
+    # the stage split: SD's stages on one device only (on two meshes a round is one call per side); AR has
+    # no draft to place apart: measured on one device only
     plans = [
         (m, p)
         for m in methods
         for p in (False, True)
-        if not p or m == "ssd" or (m == "sd" and layout == "one")
+        if (m != "ar" or layout == "one") and (not p or m == "ssd" or (m == "sd" and layout == "one"))
     ]
-    for method, profile in plans:  # compile every program first (untimed)
+    for method, profile in plans:  # compile every program first, at the full length (every window), untimed
         _one_run(
             target,
             _spec(method, draft, layout, case.k, profile),
-            dataclasses.replace(case, tokens=8),
+            case,
             counters,
             prompt,
         )
@@ -245,3 +247,82 @@ def report(rows: list[dict], title: str) -> str:
         f"Load average (1 min) during the runs: {min(load):.2f}-{max(load):.2f}; jax {rows[0]['jax']}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _there_and_back(bridge, x, n: int) -> list[float]:
+    import jax
+
+    for _ in range(5):  # compile both directions
+        y, _ = bridge.move(x, "draft")
+        x, _ = bridge.move(y, "target")
+    jax.block_until_ready(x)
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        y, _ = bridge.move(x, "draft")
+        x, _ = bridge.move(y, "target")
+        jax.block_until_ready(x)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _socket_trips(n: int, payload: bytes) -> list[float]:
+    """Round trips of ``payload`` over a plain TCP connection of their own between the two processes."""
+    import socket
+
+    from jax._src import distributed as jdist
+
+    from ssd_jax.parallel import distributed as dist
+
+    client = jdist.global_state.client
+    if dist.is_main():
+        srv = socket.create_server(("127.0.0.1", 0))
+        client.key_value_set("roundcost/port", str(srv.getsockname()[1]))
+        conn, _ = srv.accept()
+    else:
+        port = int(client.blocking_key_value_get("roundcost/port", 60_000))
+        conn = socket.create_connection(("127.0.0.1", port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    trips = []
+    for _ in range(n + 5):
+        t = time.perf_counter()
+        if dist.is_main():
+            conn.sendall(payload)
+            conn.recv(len(payload), socket.MSG_WAITALL)
+        else:
+            conn.sendall(conn.recv(len(payload), socket.MSG_WAITALL))
+        trips.append(time.perf_counter() - t)
+    conn.close()
+    return trips[5:]
+
+
+def measure_moves(n: int = 200, width: int = 8) -> dict | None:
+    """Across two JAX processes (every process calls it): what one round's integer tensor (1 x ``width``
+    int32, what an SSD round sends each way) costs to move there and back, by the compiled collective
+    (the :class:`Bridge` without its link), by the bridge as the engine uses it (its :class:`Link` on
+    CPU), and by a plain TCP round trip of the same bytes. Returns process 0's medians in ms (None
+    elsewhere)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ssd_jax.parallel import distributed as dist
+
+    devs = jax.devices()
+    meshes = [Mesh(np.array([d for d in devs if d.process_index == p][:1]), ("x",)) for p in (0, 1)]
+    x = jax.device_put(np.arange(width, dtype=np.int32)[None], NamedSharding(meshes[0], PartitionSpec()))
+    engine = dist.Bridge(*meshes)
+    collective = dist.Bridge(*meshes)
+    collective.linked = False
+    times = {
+        "collective_ms": _there_and_back(collective, x, n),
+        "bridge_ms": _there_and_back(engine, x, n),
+        "socket_ms": _socket_trips(n, np.arange(width, dtype=np.int32).tobytes()),
+    }
+    if not dist.is_main():
+        return None
+    return {
+        **{k: 1e3 * float(np.median(v)) for k, v in times.items()},
+        "n": n,
+        "bridge_linked": engine.linked,
+    }

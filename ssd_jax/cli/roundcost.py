@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from ssd_jax.bench.roundcost import LAYOUTS, METHODS, Case, measure_layout, report
+from ssd_jax.bench.roundcost import LAYOUTS, METHODS, Case, measure_layout, measure_moves, report
 
 
 def _child_cmd(args, layout: str) -> tuple[list[str], dict]:
@@ -35,10 +35,14 @@ def _child(args) -> int:
 
     case = Case(args.model, args.draft, args.tokens, args.k, args.repeats)
     rows = measure_layout(case, args.layout, tuple(args.methods))
+    moves = measure_moves() if args.layout == "procs" else None
     if dist.is_main():
         with open(f"{args.out}.jsonl", "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+        if moves is not None:
+            with open(f"{args.out}.moves.json", "w") as f:
+                json.dump(moves, f)
     return 0
 
 
@@ -73,8 +77,9 @@ def run(argv=None) -> int:
             return run_distributed(_child, args)
         return _child(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    if os.path.exists(f"{args.out}.jsonl"):
-        os.remove(f"{args.out}.jsonl")
+    for old in (f"{args.out}.jsonl", f"{args.out}.moves.json"):
+        if os.path.exists(old):
+            os.remove(old)
     t0 = time.perf_counter()
     for layout in args.layouts:
         cmd, env = _child_cmd(args, layout)
@@ -85,9 +90,19 @@ def run(argv=None) -> int:
     with open(f"{args.out}.jsonl") as f:
         rows = [json.loads(line) for line in f]
     title = f"{args.model}, K = {args.k}, {args.tokens} tokens, greedy, batch 1 ({time.perf_counter() - t0:.0f} s)"
+    text = report(rows, title)
+    if os.path.exists(f"{args.out}.moves.json"):
+        with open(f"{args.out}.moves.json") as f:
+            mv = json.load(f)
+        text += (
+            f"\nAcross the two processes, a round's integer tensor (1 x 8 int32) there and back (medians of "
+            f"{mv['n']}): {mv['collective_ms']:.3f} ms by the compiled collective, {mv['bridge_ms']:.3f} ms by "
+            f"the engine's bridge (linked: {mv['bridge_linked']}), {mv['socket_ms']:.3f} ms over a plain TCP "
+            "socket.\n"
+        )
     with open(f"{args.out}.md", "w") as f:
-        f.write(report(rows, title))
-    print(report(rows, title))
+        f.write(text)
+    print(text)
     return 0
 
 

@@ -8,8 +8,10 @@ other needs (the speculation, the verification outcome) crosses by JAX itself: :
 stacks the source mesh's copy with zeros on the other devices into one array over the union of
 both meshes and runs one jitted ``x[source]`` that XLA turns into a collective (gloo on CPU, NCCL /
 ICI on accelerators). Its result is replicated on every device, so every process can also read it
-on the host, which keeps the host loops of all processes deciding the same things. No sockets,
-queues or files of our own.
+on the host, which keeps the host loops of all processes deciding the same things. On CPU, where
+that collective costs milliseconds for a few integers, a two-process run sends the source's host copy
+over one TCP connection of its own instead (:class:`Link`; ``SSD_JAX_BRIDGE=collective`` keeps the
+collective).
 
 Failure: a dead peer stops sending heartbeats; after ``SSD_JAX_HEARTBEAT_S`` seconds the coordination
 service declares it dead. JAX's default reaction is to abort every other process with a C++ stack
@@ -159,12 +161,88 @@ def host_value(x) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
+#: ``collective``: every move through the compiled collective, even where :class:`Link` could carry it
+BRIDGE_ENV = "SSD_JAX_BRIDGE"
+
+
+class Link:
+    """One TCP connection between the two processes of a two-process run on CPU: the bytes of a move.
+
+    On CPU the collective's move of a round's few integers costs milliseconds (gloo; measured by
+    ``python -m ssd_jax.roundcost``: 7.5 ms there and back against 0.03 ms over a socket), so
+    :class:`Bridge` sends them over this instead. Process 0 listens (every interface, a free port,
+    published in the coordination service's key-value store), process 1 connects to process 0's host
+    (``JAX_COORDINATOR_ADDRESS``). Made once per process, at the first move, in the same order in both
+    (every process runs the same program). A peer that closes the connection raises ``RuntimeError``;
+    a peer that dies is caught by the watchdog (:func:`fail_fast`)."""
+
+    def __init__(self):
+        import socket
+
+        from jax._src import distributed as jd
+
+        client = jd.global_state.client
+        if is_main():
+            srv = socket.create_server(("", 0))
+            client.key_value_set("ssd_jax/link/port", str(srv.getsockname()[1]))
+            self.conn, _ = srv.accept()
+            srv.close()
+        else:
+            host = (os.environ.get("JAX_COORDINATOR_ADDRESS") or "127.0.0.1:0").rsplit(":", 1)[0]
+            port = int(client.blocking_key_value_get("ssd_jax/link/port", INIT_TIMEOUT_S * 1000))
+            self.conn = socket.create_connection((host or "127.0.0.1", port))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = 1 - jax.process_index()
+        print(
+            f"[link] process {jax.process_index()} linked to process {peer} (TCP)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def send(self, data: bytes) -> None:
+        self.conn.sendall(data)
+
+    def recv(self, n: int) -> bytearray:
+        import socket
+
+        buf, got = bytearray(n), 0
+        view = memoryview(buf)
+        while got < n:
+            k = self.conn.recv_into(view[got:], n - got)
+            if k == 0:
+                raise RuntimeError("the peer process closed its link (it may have died)")
+            got += k
+        if hasattr(socket, "TCP_QUICKACK"):  # acknowledge now: a delayed ACK would hold the peer's next send
+            self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        return buf
+
+
+_LINK: list = []
+
+
+def _plain(dtype) -> bool:
+    """A dtype whose values are their bytes (not a PRNG key)."""
+    try:
+        np.dtype(dtype)
+    except TypeError:
+        return False
+    return True
+
+
+def _link() -> Link:
+    if not _LINK:
+        _LINK.append(Link())
+    return _LINK[0]
+
+
 class Bridge:
     """Moves replicated pytrees between two disjoint meshes that may live in different processes.
 
     ``move(tree, to)`` takes arrays replicated on one mesh and returns ``(on_dst, readable)``:
-    the same values replicated on the other mesh, and replicated on the union (readable by every
-    process with :func:`host_value`). One compiled collective per call, whatever the tree.
+    the same values replicated on the other mesh, and a copy readable by every process with
+    :func:`host_value`. One compiled collective per call, whatever the tree (its result replicated on
+    the union of both meshes); on CPU with each mesh in a process of its own, the source process's host
+    copy sent over a :class:`Link` instead (``readable`` is then that host copy, in both processes).
     """
 
     def __init__(self, target_mesh: Mesh, draft_mesh: Mesh):
@@ -176,6 +254,15 @@ class Bridge:
         self._local = [d for d in devs if d.process_index == jax.process_index()]
         self._zeros: dict = {}
         self.compiles = 0  # collectives compiled by this bridge's moves (0 once a run is warm)
+        procs = {side: {d.process_index for d in m.devices.flat} for side, m in self.meshes.items()}
+        self.linked = (
+            os.environ.get(BRIDGE_ENV, "") != "collective"
+            and jax.process_count() == 2
+            and all(d.platform == "cpu" for d in devs)
+            and all(len(p) == 1 for p in procs.values())
+            and procs["target"] != procs["draft"]
+        )
+        self._proc = {side: next(iter(p)) for side, p in procs.items()}
 
     def _zero(self, shape, dtype, dev):
         key = (shape, str(dtype), dev.id)
@@ -194,9 +281,38 @@ class Bridge:
             (len(self.union.devices.flat), *x.shape), self._stacked, pieces, dtype=x.dtype
         )
 
+    def _move_linked(self, leaves, treedef, src: str, to: str):
+        """The move over the :class:`Link`: the source process reads its copy and sends the bytes, the
+        other receives them (shapes and dtypes from its own view of the same arrays) and places them."""
+        me, link = jax.process_index(), _link()
+        if me == self._proc[src]:
+            hosts = [np.asarray(x.addressable_shards[0].data) for x in leaves]
+            link.send(b"".join(np.ascontiguousarray(h).tobytes() for h in hosts))
+        else:
+            sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves]
+            buf, off, hosts = link.recv(sum(sizes)), 0, []
+            for x, n in zip(leaves, sizes):
+                hosts.append(
+                    np.frombuffer(
+                        buf, np.dtype(x.dtype), count=n // np.dtype(x.dtype).itemsize, offset=off
+                    ).reshape(x.shape)
+                )
+                off += n
+        dst = NamedSharding(self.meshes[to], PartitionSpec())
+        mine = [d for d in self.meshes[to].devices.flat if d.process_index == me]
+        moved = [
+            jax.make_array_from_single_device_arrays(
+                x.shape, dst, [jax.device_put(h, d) for d in mine], dtype=x.dtype
+            )
+            for x, h in zip(leaves, hosts)
+        ]
+        return jax.tree.unflatten(treedef, moved), jax.tree.unflatten(treedef, hosts)
+
     def move(self, tree, to: str):
         src = "draft" if to == "target" else "target"
         leaves, treedef = jax.tree.flatten(tree)
+        if self.linked and all(_plain(x.dtype) for x in leaves):
+            return self._move_linked(leaves, treedef, src, to)
         stacked = [self._stack(x, src) for x in leaves]
         i = self._first[src]
         sig = (self.union, i, tuple((x.shape, str(x.dtype)) for x in leaves))
