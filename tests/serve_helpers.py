@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from helpers import xla_flags
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,10 +23,9 @@ def start(target: str, *flags, timeout: float = 300, devices: int = 1):
 
     port = free_port()
     cmd = [sys.executable, "-m", "ssd_jax.serve", "--target", target, "--port", str(port), *flags]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device, as a user runs it
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # one device, as a user runs it, unless asked for more; the test run's XLA flags (conftest.py)
+    count = [f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else []
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(*count)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import xla_flags
 
 
 def run_cli(*args, env=None):
-    e = dict(os.environ)
-    e.pop("XLA_FLAGS", None)
+    e = dict(os.environ, XLA_FLAGS=xla_flags())  # one device, with the test run's XLA flags
     e.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "ssd_jax.decode", *args], capture_output=True, text=True, timeout=600, env=e
@@ -150,7 +150,7 @@ def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
         "--k",
         "2",
     ]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
     r = run_cli(
         *common,
         "--method",

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from launch_helpers import launch_cmd, launch_env, prompt_id_args, tokens
+from helpers import launch_cmd, launch_env, prompt_id_args, tokens
 
 IDS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 N_NEW = 12

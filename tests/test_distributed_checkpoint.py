@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from launch_helpers import launch_cmd, launch_env, ssd_decode_args
+from helpers import launch_cmd, launch_env, ssd_decode_args
 from test_train import TARGET_CFG, save_tiny_target
 
 from ssd_jax.loading import draft as dfmt

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_helpers import launch_cmd, launch_env, ssd_decode_args, tokens
+from helpers import launch_cmd, launch_env, ssd_decode_args, tokens
 
 from ssd_jax.cli.launch import assign_cpus
 from ssd_jax.cli.launch import main as launch_main

@@ -1,9 +1,16 @@
-"""Running ``python -m ssd_jax.launch ... decode`` in the tests: the command, its environment, its tokens."""
+"""Shared by the tests that start subprocesses: the XLA flags of the test run, and ``python -m
+ssd_jax.launch ... decode``'s command, environment and tokens."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+
+def xla_flags(*flags: str) -> str:
+    """``flags`` and the test run's XLA flags (``SSD_JAX_TEST_XLA_FLAGS``, set by conftest.py), for a
+    subprocess whose ``XLA_FLAGS`` the test sets itself."""
+    return " ".join([*flags, *os.environ.get("SSD_JAX_TEST_XLA_FLAGS", "").split()])
 
 
 def prompt_id_args(ids) -> list[str]:
@@ -65,10 +72,9 @@ def ssd_decode_args(target: str, draft: str, ids, n_new: int, k: int) -> list[st
 
 
 def launch_env(**extra: str) -> dict:
-    """This process's environment without ``XLA_FLAGS`` (the launcher sets each process's device count)
-    or ``SSD_JAX_CPUS``, plus ``extra``."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    """This process's environment with only the test run's XLA flags (the launcher adds each process's
+    device count) and without ``SSD_JAX_CPUS``, plus ``extra``."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags())
     env.pop("SSD_JAX_CPUS", None)
     env.update(extra)
     return env
