@@ -446,10 +446,7 @@ def test_greedy_ssd_fast_backups(greedy_pair, greedy_traces, backup):
 # --------------------------------------------------------------------------- reproducibility
 
 
-# ngram and random in the slow set (default-suite budget): the seed reaches the round the same way
-@pytest.mark.parametrize(
-    "backup", ["neural", *(pytest.param(b, marks=pytest.mark.slow) for b in ("ngram", "random")), "auto"]
-)
+@pytest.mark.parametrize("backup", ["neural", "ngram", "random", "auto"])
 def test_seeded_ssd_is_reproducible(agree_pair, backup):
     target, draft = agree_pair
     sp = SamplingParams(temperature=1.0, seed=5, max_new_tokens=16, ignore_eos=True, n=8)

@@ -55,11 +55,9 @@ def _hf_greedy(model, ids, steps):
     return out[0, len(ids) :].tolist()
 
 
-# default set: the check a user trusts most (the HF model is already loaded for the logits test); a code
-# prompt and a chat-templated one by default, all four in the slow set (default-suite budget)
-@pytest.mark.parametrize(
-    "which", [(0, 3), pytest.param((1, 2), marks=pytest.mark.slow)], ids=["code-chat", "plain"]
-)
+# default set: the check a user trusts most (the HF model is already loaded for the logits test): all
+# four prompts, a code prompt and a chat-templated one in one batch, the two plain ones in another
+@pytest.mark.parametrize("which", [(0, 3), (1, 2)], ids=["code-chat", "plain"])
 def test_greedy_tokens_match_transformers(ours, hf_model, which):
     prompts = [PROMPTS[i] for i in which]
     ids = [ours.tokenizer.encode(p) for p in prompts]

@@ -237,8 +237,7 @@ def offline_prefixed(pair):
     return [o["token_ids"] for o in res.outputs]
 
 
-# AR in the slow set (default-suite budget): the SD server runs the same paged cache
-@pytest.mark.parametrize("method", [pytest.param("ar", marks=pytest.mark.slow), "sd"])
+@pytest.mark.parametrize("method", ["ar", "sd"])
 def test_prefix_caching_reuses_a_shared_prompt(servers, offline_prefixed, method):
     """Three requests sharing a long prompt prefix, one after another: the later ones find its blocks in
     the paged cache's prefix cache (counted in /metrics in vLLM's names) and their greedy output still
@@ -403,9 +402,7 @@ def _crowd(url, ids):
     return asyncio.run(all_of())
 
 
-# SSD in the slow set (default-suite budget: its server's start-up and programs, 35 s); the server's
-# slots, queue and streams are the same for every method, and SSD's engine path runs in test_engine
-@pytest.mark.parametrize("method", ["ar", "sd", pytest.param("ssd", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
 def test_32_concurrent_requests(servers, offline, method):
     """32 requests of different lengths and parameters on 4 slots: all complete, none lost or duplicated,
     greedy ones equal offline, seeded ones give the same tokens when sent alone."""
