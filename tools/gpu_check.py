@@ -31,9 +31,10 @@ Every results file records the commit (``git rev-parse HEAD``, or "unknown" outs
 checkout), the jax version and the XLA flags the engine ran with (``XLA_FLAGS`` after
 ``ssd_jax``'s own defaults), so a number can be traced to the code and settings that gave it.
 
-Where it has run: only as ``--smoke`` on CPU, in the test suite (tests/test_gpu_check.py) and by
-hand on the 2-core development machine. It has not run on a GPU (no GPU was lent to the session
-that wrote it), and neither the full Qwen shapes nor the ``forward`` step have run anywhere.
+Where it has run: as ``--smoke`` on CPU, in the test suite (tests/test_gpu_check.py) and by hand on
+the 2-core development machine; and once in full, on one NVIDIA H200 with jax 0.11.2 (2026-12-04,
+363 s of the 450 s budget, every step ok, commit e5b1a7b; its files are in experiments/results/gpu/,
+read in docs/performance.md). That run's json predates the commit / jax / XLA-flag fields above.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STATUS = "not yet run on a GPU: only --smoke has run (on CPU, in tests/test_gpu_check.py)"
+STATUS = (
+    "ran once in full on one NVIDIA H200 (2026-12-04, experiments/results/gpu/); --smoke runs in the tests"
+)
 
 QWEN_15B = dict(
     vocab_size=151936,

@@ -69,7 +69,7 @@ def run(argv=None) -> int:
     if args.model != "tiny" and args.draft is None:
         from ssd_jax.drafters import default_draft
 
-        args.draft = default_draft(args.model)
+        args.draft = default_draft(args.model, "model")  # a draft model: SSD has no head across processes
     if args.child:
         if args.distributed:
             from ssd_jax.cli.decode import run_distributed
