@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from helpers import xla_flags
@@ -57,23 +58,71 @@ def test_prompts_file_jsonl_and_lines(tiny_llama_path, tmp_path):
     )
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top-p"),
-        (["--top-p", "1.5"], "top-p"),
-        (["--top-k", "-3"], "top-k"),
-        (["--prompt", "   "], "empty prompt"),
-        (["--prompt-ids", "1,x"], "prompt-ids"),
-        (["--max-new-tokens", "abc"], "max-new-tokens"),
-        (["--method", "beam"], "unknown method"),
-        (["--method", "sd", "--draft", "ngram", "--k", "0"], "k must be"),
-        (["--method", "sd", "--draft", "ngram", "--k", "abc"], "k must be"),
-    ],
-)
-def test_bad_flags(args, needle):
-    assert_one_line_error(run_cli(*args), needle)
+BAD_FLAGS = [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top-p"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--top-k", "-3"], "top-k"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--prompt-ids", "1,x"], "prompt-ids"),
+    (["--max-new-tokens", "abc"], "max-new-tokens"),
+    (["--method", "beam"], "unknown method"),
+    (["--method", "sd", "--draft", "ngram", "--k", "0"], "k must be"),
+    (["--method", "sd", "--draft", "ngram", "--k", "abc"], "k must be"),
+]
+BAD_SSD_FLAGS = [
+    (["--method", "ssd", "--draft", "ngram"], "draft model"),
+    (["--method", "ssd", "--draft", "x", "--saguaro-c", "2"], "saguaro"),
+    (["--method", "ssd", "--draft", "x", "--fan-out", "many"], "fan-out"),
+    (["--method", "ssd", "--draft", "x", "--backup", "psychic"], "backup"),
+    (["--method", "sd", "--draft", "ngram", "--trace", "t.json"], "trace"),
+]
+
+# One interpreter runs every bad-flag case through the entry ``python -m ssd_jax.decode`` runs (the module
+# as __main__, its sys.exit), each case with its own stdout, stderr and exit status: one interpreter start
+# instead of fifteen. Whatever bypasses Python's streams (C++ logging) lands in the interpreter's own
+# stderr, which must stay empty.
+BATCH = """
+import contextlib, io, json, runpy, sys, traceback
+res = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["ssd_jax.decode", *argv]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("ssd_jax.decode", run_name="__main__", alter_sys=True)
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            rc = 1
+            traceback.print_exc()
+    res.append([rc, out.getvalue(), err.getvalue()])
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """{args: (exit status, stdout, stderr)} of every case of BAD_FLAGS and BAD_SSD_FLAGS."""
+    cases = [args for args, _ in BAD_FLAGS + BAD_SSD_FLAGS]
+    r = subprocess.run(
+        [sys.executable, "-c", BATCH, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, XLA_FLAGS=xla_flags()),
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    return {
+        tuple(args): SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+        for args, (rc, out, err) in zip(cases, json.loads(r.stdout))
+    }
+
+
+@pytest.mark.parametrize("args,needle", BAD_FLAGS)
+def test_bad_flags(bad_flag_runs, args, needle):
+    assert_one_line_error(bad_flag_runs[tuple(args)], needle)
 
 
 def test_unknown_model_and_bad_files(tmp_path):
@@ -118,18 +167,9 @@ def test_sd_with_an_unverifiable_tokenizer_is_refused(tiny_llama_path):
     assert_one_line_error(r, "share a tokenizer")
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--method", "ssd", "--draft", "ngram"], "draft model"),
-        (["--method", "ssd", "--draft", "x", "--saguaro-c", "2"], "saguaro"),
-        (["--method", "ssd", "--draft", "x", "--fan-out", "many"], "fan-out"),
-        (["--method", "ssd", "--draft", "x", "--backup", "psychic"], "backup"),
-        (["--method", "sd", "--draft", "ngram", "--trace", "t.json"], "trace"),
-    ],
-)
-def test_bad_ssd_flags(args, needle):
-    assert_one_line_error(run_cli(*args), needle)
+@pytest.mark.parametrize("args,needle", BAD_SSD_FLAGS)
+def test_bad_ssd_flags(bad_flag_runs, args, needle):
+    assert_one_line_error(bad_flag_runs[tuple(args)], needle)
 
 
 def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
