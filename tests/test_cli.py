@@ -49,15 +49,6 @@ def test_json_contract_on_tiny_model(tiny_llama_path):
         assert k in d["metrics"]
 
 
-def test_prompts_file_jsonl_and_lines(tiny_llama_path, tmp_path):
-    bad = tmp_path / "p.jsonl"
-    bad.write_text('{"prompt": "hi"}\n{not json\n')
-    assert_one_line_error(run_cli("--target", tiny_llama_path, "--prompts-file", str(bad)), "invalid JSON")
-    assert_one_line_error(
-        run_cli("--target", tiny_llama_path, "--prompts-file", str(tmp_path / "nope")), "not found"
-    )
-
-
 BAD_FLAGS = [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top-p"),
@@ -78,9 +69,26 @@ BAD_SSD_FLAGS = [
     (["--method", "sd", "--draft", "ngram", "--trace", "t.json"], "trace"),
 ]
 
-# One interpreter runs every bad-flag case through the entry ``python -m ssd_jax.decode`` runs (the module
+
+def _error_cases(tiny: str, tmp) -> dict:
+    """The error cases that need files: name -> arguments."""
+    bad = tmp / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{not json\n')
+    junk = tmp / "junk.gguf"
+    junk.write_bytes(b"GGUF" + os.urandom(256))
+    return {
+        "invalid-jsonl": ["--target", tiny, "--prompts-file", str(bad)],
+        "missing-prompts-file": ["--target", tiny, "--prompts-file", str(tmp / "nope")],
+        "unknown-model": ["--target", "no-such-model-xyz", "--prompt", "hi"],
+        "missing-gguf": ["--target", str(tmp / "missing.gguf"), "--prompt", "hi"],
+        "junk-gguf": ["--target", str(junk), "--prompt", "hi"],
+        "beyond-context": ["--target", tiny, "--prompt-ids", "1,2,3", "--max-new-tokens", "100000"],
+    }
+
+
+# One interpreter runs every error case through the entry ``python -m ssd_jax.decode`` runs (the module
 # as __main__, its sys.exit), each case with its own stdout, stderr and exit status: one interpreter start
-# instead of fifteen. Whatever bypasses Python's streams (C++ logging) lands in the interpreter's own
+# instead of twenty-one. Whatever bypasses Python's streams (C++ logging) lands in the interpreter's own
 # stderr, which must stay empty.
 BATCH = """
 import contextlib, io, json, runpy, sys, traceback
@@ -103,9 +111,12 @@ print(json.dumps(res))
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    """{args: (exit status, stdout, stderr)} of every case of BAD_FLAGS and BAD_SSD_FLAGS."""
-    cases = [args for args, _ in BAD_FLAGS + BAD_SSD_FLAGS]
+def error_runs(tiny_llama_path, tmp_path_factory):
+    """(exit status, stdout, stderr) of every error case: by its arguments for BAD_FLAGS and
+    BAD_SSD_FLAGS, by name for _error_cases."""
+    named = _error_cases(tiny_llama_path, tmp_path_factory.mktemp("cli-errors"))
+    keys = [tuple(args) for args, _ in BAD_FLAGS + BAD_SSD_FLAGS] + list(named)
+    cases = [list(k) if isinstance(k, tuple) else named[k] for k in keys]
     r = subprocess.run(
         [sys.executable, "-c", BATCH, json.dumps(cases)],
         capture_output=True,
@@ -115,29 +126,29 @@ def bad_flag_runs():
     )
     assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
     return {
-        tuple(args): SimpleNamespace(returncode=rc, stdout=out, stderr=err)
-        for args, (rc, out, err) in zip(cases, json.loads(r.stdout))
+        k: SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+        for k, (rc, out, err) in zip(keys, json.loads(r.stdout))
     }
 
 
+def test_prompts_file_jsonl_and_lines(error_runs):
+    assert_one_line_error(error_runs["invalid-jsonl"], "invalid JSON")
+    assert_one_line_error(error_runs["missing-prompts-file"], "not found")
+
+
 @pytest.mark.parametrize("args,needle", BAD_FLAGS)
-def test_bad_flags(bad_flag_runs, args, needle):
-    assert_one_line_error(bad_flag_runs[tuple(args)], needle)
+def test_bad_flags(error_runs, args, needle):
+    assert_one_line_error(error_runs[tuple(args)], needle)
 
 
-def test_unknown_model_and_bad_files(tmp_path):
-    assert_one_line_error(run_cli("--target", "no-such-model-xyz", "--prompt", "hi"), "unknown model")
-    assert_one_line_error(
-        run_cli("--target", str(tmp_path / "missing.gguf"), "--prompt", "hi"), "missing.gguf"
-    )
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"GGUF" + os.urandom(256))
-    assert_one_line_error(run_cli("--target", str(junk), "--prompt", "hi"), "junk.gguf")
+def test_unknown_model_and_bad_files(error_runs):
+    assert_one_line_error(error_runs["unknown-model"], "unknown model")
+    assert_one_line_error(error_runs["missing-gguf"], "missing.gguf")
+    assert_one_line_error(error_runs["junk-gguf"], "junk.gguf")
 
 
-def test_prompt_beyond_context_window(tiny_llama_path):
-    r = run_cli("--target", tiny_llama_path, "--prompt-ids", "1,2,3", "--max-new-tokens", "100000")
-    assert_one_line_error(r, "context window")
+def test_prompt_beyond_context_window(error_runs):
+    assert_one_line_error(error_runs["beyond-context"], "context window")
 
 
 @pytest.mark.realmodel
@@ -168,8 +179,8 @@ def test_sd_with_an_unverifiable_tokenizer_is_refused(tiny_llama_path):
 
 
 @pytest.mark.parametrize("args,needle", BAD_SSD_FLAGS)
-def test_bad_ssd_flags(bad_flag_runs, args, needle):
-    assert_one_line_error(bad_flag_runs[tuple(args)], needle)
+def test_bad_ssd_flags(error_runs, args, needle):
+    assert_one_line_error(error_runs[tuple(args)], needle)
 
 
 def test_ssd_cli_json_trace_and_meshes(tiny_llama_path, tmp_path):
