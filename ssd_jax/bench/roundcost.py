@@ -43,16 +43,11 @@ class Case:
 
 
 def tiny_model(seed: int = 0):
-    """The 2-layer, width-64 random Llama (vocabulary 128, no tokenizer) the engine's costs are measured on."""
-    from ssd_jax.loading.loaded import LoadedModel
-    from ssd_jax.models.config import ModelConfig
-    from ssd_jax.models.params import init_params
+    """The 2-layer, width-64 random Llama the engine's costs are measured on (the planner's own, which
+    times SSD's fixed cost a round on it: :func:`ssd_jax.planning.overhead.tiny_model`)."""
+    from ssd_jax.planning.overhead import tiny_model as tiny
 
-    cfg = ModelConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, max_position_embeddings=4096, eos_token_ids=(1,),
-    )  # fmt: skip
-    return LoadedModel("tiny-2x64", cfg, init_params(cfg, seed, scale=0.15), None, f"seed{seed}", "")
+    return tiny(seed)
 
 
 def _models(case: Case):

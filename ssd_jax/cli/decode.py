@@ -228,6 +228,8 @@ def _report(res) -> None:
             ),
             file=sys.stderr,
         )
+    if m.get("plan", {}).get("theorem7"):  # the plan's prediction, Theorem 7's bound, the measurement
+        print(f"[ssd] {m['plan']['theorem7']['line']}", file=sys.stderr)
     if "cache_hit_rate" in m:
         print(
             f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "

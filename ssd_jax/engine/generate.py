@@ -60,7 +60,7 @@ def generate(
         raise UserError("no prompts given")
     ids = encode_prompts(model, prompts, chat)
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
-    spec, plan = configure(model, spec, rows=len(ids) * sampling.n, load=load)
+    spec, plan = configure(model, spec, rows=len(ids) * sampling.n, load=load, round_timer=_time_rounds)
     spec.validate()
     method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
@@ -80,6 +80,11 @@ def generate(
     res.metrics["k_auto"] = k_auto
     res.metrics["draft_auto"] = plan.draft_auto
     res.metrics["plan"] = plan.to_json()
+    if spec.method == "ssd":  # the prediction, Theorem 7's bound with this run's hits, and the measurement
+        from ssd_jax.planning.ssd_model import run_check
+
+        if (check := run_check(res.metrics["plan"], res.metrics, len(rows_ids))) is not None:
+            res.metrics["plan"]["theorem7"] = check
     if spec.draft_dtype is not None:
         res.metrics["draft_dtype"] = spec.draft_dtype
     if spec.draft_vocab is not None:
@@ -90,6 +95,35 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return _record_cpus(res, spec)
+
+
+def _time_rounds(spec: SpecConfig) -> dict:
+    """Seconds a round of AR, SD and SSD on the tiny model (compute about zero: the engine's fixed cost)
+    on ``spec``'s layout, for the planner (:mod:`ssd_jax.planning.overhead`: what is run and why)."""
+    import numpy as np
+
+    from ssd_jax.planning import overhead as oh
+
+    tiny = oh.tiny_model()
+    sp = SamplingParams(max_new_tokens=oh.TOKENS, ignore_eos=True)
+    devices = {"target_devices": spec.target_devices, "draft_devices": spec.draft_devices}
+    common = dict(draft=tiny, k=oh.K, draft_dtype=None, draft_vocab=None)
+    if devices["target_devices"] is not None or devices["draft_devices"] is not None:
+        common.update(devices)
+    specs = {
+        "ar_s": SpecConfig(),
+        "sd_s": SpecConfig(method="sd", **common),
+        "ssd_s": SpecConfig(method="ssd", backup="neural", **common),
+    }
+    out = {}
+    for name, s in specs.items():
+        times = []
+        for i in range(oh.WARM + oh.REPEATS):
+            m = generate(tiny, [list(oh.PROMPT)], sp, s).metrics
+            if i >= oh.WARM:
+                times.append((m["wall_s"] - m["ttft_s"]) / max(1, m.get("verify_steps", m.get("steps", 1))))
+        out[name] = float(np.median(times))
+    return out
 
 
 def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -> GenerationResult:

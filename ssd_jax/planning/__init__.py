@@ -11,7 +11,9 @@ The modules, in the order a choice is made:
 ``records``         the typed :class:`Calibration` record, cached on disk per machine, cores, jax
                     version, model pair and batch size
 ``sd_model``        SD's round model S(K) = E(α, K)·t_ar / (c_round + K·t_draft + t_verify(K + 1))
-``ssd_model``       SSD's round model: simulated hits, the build's cost, overlap or not (K and budget)
+``ssd_model``       SSD's round model: simulated hits, the build's cost, overlap or not, its fixed cost
+                    and the miss path (K, budget, backup); Theorem 7's bound for a run's report
+``overhead``        the tiny model SSD's fixed cost a round is timed on at start-up
 ``head_model``      SD with an EAGLE-style head: S(K) from the head's acceptance curve
 ``variants``        the draft's weight dtype and head size, priced by the models above
 ``policy``          what the engine asks every round: ``k_for(bucket, alpha)`` (KPlan, BucketPlans,

@@ -10,7 +10,10 @@ method is built. What it decides, in order, each step reading only what the step
    worth trying is calibrated (:class:`.records.Calibrator`, cached on disk) and priced by its method's
    round model; the fastest is kept;
 3. **K** (``k="auto"``): SD's S(K) (:mod:`.sd_model`) or SSD's round model (:mod:`.ssd_model`, which
-   also chooses the fan-out budget), from the chosen variant's calibration;
+   also chooses the fan-out budget and prices the miss path: the neural backup against a fast one,
+   ``backup="auto"`` taking the faster where the draft has devices of its own), from the chosen
+   variant's calibration and, for SSD, the fixed cost of its round measured at start-up
+   (``round_timer``; :meth:`.records.Calibrator.round_overhead`);
 4. **the policy** the engine asks every round (:mod:`.policy`): SD on one device re-chooses K from its
    own acceptance (per batch bucket in a server, K = 0 where nothing pays); SSD in a one-device server
    runs AR rounds at the buckets where its timed round does not pay.
@@ -21,6 +24,7 @@ Across processes every process measures, and all take process 0's choices (fixed
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from ssd_jax.drafters.base import check_same_tokenizer
@@ -31,6 +35,7 @@ from ssd_jax.planning.head_model import choose_head_k
 from ssd_jax.planning.policy import BucketPlans, BucketSwitch, KPlan
 from ssd_jax.planning.records import Calibration, Calibrator
 from ssd_jax.planning.sd_model import best_k, speedups_of
+from ssd_jax.planning.ssd_model import Overhead
 from ssd_jax.planning.variants import (
     apply_variant,
     draft_variants,
@@ -94,23 +99,33 @@ class Plan:
                 out += f", t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
             if m.get("t_draft_step") or m.get("t_head"):
                 out += f", draft step {1e3 * (m.get('t_draft_step') or m['t_head']):.2f} ms"
+        if m.get("round_overhead"):
+            o = m["round_overhead"]
+            out += f"; SSD fixed cost +{1e3 * max(0.0, o['ssd_s'] - o['sd_s']):.2f} ms/round over SD's ({o['source']})"
         if p.get("expected_speedup") is not None:
             out += f"; expected {p['expected_speedup']:.2f}x AR"
+        if p.get("miss_path"):
+            mp = p["miss_path"]
+            out += "; on a miss " + ", ".join(f"{k} {v:.2f}x" for k, v in mp["speedups"].items())
+            out += f" at {mp['batch']} rows: {mp['chosen']}"
         if p.get("variants"):
             dt, dv = c.get("draft_dtype") or "target dtype", c.get("draft_vocab") or "full head"
             out += f"; draft {dt}/{dv} of {len(p['variants'])} variants"
         return out
 
 
-def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False):
+def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False, round_timer=None):
     """(the spec the engine runs: a loaded draft as it will run, integer K, its policy; the :class:`Plan`).
 
     ``rows``: the batch the run's cost is measured at (a server's slots); ``load``: how a draft named by
     a string is loaded; ``buckets``: the engine's batch buckets (a plan per bucket for SD on one
-    device); ``serving``: a server (SSD on one device gets its per-bucket switch)."""
+    device); ``serving``: a server (SSD on one device gets its per-bucket switch); ``round_timer``:
+    ``round_timer(spec)`` times AR, SD and SSD rounds where compute is about zero on ``spec``'s
+    layout (seconds a round: ``ar_s``, ``sd_s``, ``ssd_s``), SSD's fixed cost (None: not priced)."""
     if is_eagle(spec.draft):
         return _configure_head(model, spec, rows)
     calibrator = Calibrator(model)
+    oh_s = _round_overhead(calibrator, spec, round_timer)
     spec, draft_auto, variant_s = _choose_variant(calibrator, spec, rows, load)
     spec, k_auto, cal, policy = _choose_k(calibrator, spec, rows, buckets, serving)
     if k_auto is not None and multi_process() and two_meshes(spec):  # all take process 0's K, fixed
@@ -118,9 +133,53 @@ def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False
         spec = dataclasses.replace(
             spec, k=agree(spec.k), k_plan=None, fan_out_budget=None if budget is None else agree(budget)
         )
+        if spec.backup in ("neural", "ngram"):  # the plan's miss path, process 0's
+            spec = dataclasses.replace(spec, backup=("neural", "ngram")[agree(int(spec.backup == "ngram"))])
         policy = None
-    plan = _plan(spec, cal, k_auto, draft_auto, policy, variant_s + (k_auto or {}).get("calibration_s", 0.0))
+    spent = variant_s + (k_auto or {}).get("calibration_s", 0.0) + oh_s
+    plan = _plan(spec, cal, k_auto, draft_auto, policy, spent, calibrator)
     return spec, plan
+
+
+def _layout_fits(spec) -> bool:
+    """Whether ``spec``'s meshes fit the devices and its budget divides over the draft's (else the run
+    stops with its own error: nothing to time first)."""
+    if not two_meshes(spec):
+        return True
+    import jax
+
+    n_t, n_d = spec.target_devices or 1, spec.draft_devices or 1
+    budget_ok = spec.fan_out_budget is None or int(spec.fan_out_budget) % n_d == 0
+    return n_t + n_d <= jax.device_count() and budget_ok
+
+
+def _round_overhead(calibrator: Calibrator, spec, round_timer) -> float:
+    """Read or measure SSD's fixed cost a round on ``spec``'s layout into ``calibrator.overhead`` (SSD
+    with something to price only; not across processes: the move between them is not timed there).
+    Returns the seconds spent measuring."""
+    if (
+        round_timer is None
+        or spec.method != "ssd"
+        or spec.draft in (None, "ngram", "random")
+        or "auto" not in (spec.k, spec.draft_dtype, spec.draft_vocab)
+        or (multi_process() and two_meshes(spec))
+        or not _layout_fits(spec)
+    ):
+        return 0.0
+    layout = (
+        {"target_devices": spec.target_devices, "draft_devices": spec.draft_devices}
+        if two_meshes(spec)
+        else {}
+    )
+    t0 = time.perf_counter()
+    try:
+        rec = calibrator.round_overhead(layout, lambda: round_timer(spec))
+    except (UserError, ValueError, RuntimeError) as e:  # a layout the tiny rounds cannot run on: unpriced
+        print(f"warning: SSD's fixed cost a round not measured ({e})", file=sys.stderr)
+        return time.perf_counter() - t0
+    calibrator.overhead = Overhead(ssd_s=max(0.0, rec["ssd_s"] - rec["sd_s"]), fast_s=rec["ar_s"])
+    calibrator.overhead_record = rec
+    return time.perf_counter() - t0 if rec["source"] == "measured" else 0.0
 
 
 def _choose_variant(calibrator: Calibrator, spec, rows: int, load):
@@ -167,11 +226,13 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
     cal = calibrator.record(spec, draft, rows)
     sp = speedups_of(cal)
     k, extra = best_k(sp), {}
-    if (best := ssd_best(cal, spec, rows)) is not None:  # SSD prices its own round: K and the budget
+    if (best := ssd_best(cal, spec, rows, calibrator.overhead)) is not None:  # SSD: K, budget, miss path
         k = best["k"]
         if spec.fan_out == "geometric" and spec.fan_out_budget is None:
             spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
-        extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec)}
+        extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec), "backup_given": spec.backup}
+        if spec.backup == "auto" and two_meshes(spec):  # the plan's miss path (on one device auto is neural)
+            spec = dataclasses.replace(spec, backup="neural" if best["backup"] == "neural" else "ngram")
     policy = None
     if spec.method == "sd":  # K re-chosen every round (K = 0 an AR round), per bucket in a server
         policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True)
@@ -202,12 +263,13 @@ def _bucket_plan(calibrator: Calibrator, spec, draft, bucket: int, full: KPlan, 
     return bucket, KPlan.from_costs(cal.alpha, cal.costs, best_k(speedups_of(cal)), zero=True)
 
 
-def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: float) -> Plan:
+def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: float, calibrator=None) -> Plan:
     chosen = {"k": None if spec.method == "ar" else int(spec.k)}
     if spec.method != "ar":
         chosen.update(draft_dtype=spec.draft_dtype, draft_vocab=spec.draft_vocab, adaptive=policy is not None)
     if spec.method == "ssd":
         chosen["fan_out_budget"] = spec.fan_out_budget
+        chosen["backup"] = spec.backup
     if isinstance(policy, BucketPlans):
         chosen["by_bucket"] = policy.summary()
     measured = predicted = None
@@ -223,6 +285,8 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
             "source": cal.source,
             "cache_file": str(cal.path),
         }
+        if getattr(calibrator, "overhead_record", None):
+            measured["round_overhead"] = calibrator.overhead_record
     if k_auto is not None:
         ssd = k_auto.get("ssd_plan")
         predicted = {
@@ -233,6 +297,11 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
         }
         if ssd:
             predicted["ssd_round"] = ssd
+            predicted["miss_path"] = {
+                "speedups": ssd["miss_path"],
+                "batch": ssd["batch"],
+                "chosen": ssd["backup"],
+            }
     if draft_auto is not None:
         predicted = {**(predicted or {}), "variants": draft_auto["variants"]}
     return Plan(spec.method, chosen, measured, predicted, spent, k_auto, draft_auto)

@@ -9,6 +9,10 @@ target and the draft (a hash of their config and of a slice of their weights; a 
 dtype and head size), the batch size, and on CPU the kernels' build and the cores this process may use.
 Files are written atomically (temporary file, then rename). Delete the file (or the folder), or set
 ``SSD_JAX_KAUTO_RECALIBRATE=1``, to measure again.
+
+Beside them, one record per layout (:meth:`Calibrator.round_overhead`): the fixed cost of an AR, SD and
+SSD round, timed by the caller on a model whose compute is about zero, keyed by the machine (as above,
+without the models) and the layout (one device, or the target's and the draft's device counts).
 """
 
 from __future__ import annotations
@@ -163,14 +167,46 @@ def _recalibrate() -> bool:
     return bool(os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"))
 
 
+#: round-overhead records already read or measured by this process, by file
+_OVERHEADS: dict[str, dict] = {}
+
+
 class Calibrator:
     """Reads or measures calibrations for one target; the target's side of a measurement (its greedy
-    continuation, its step costs at a batch size) is made once and shared by every draft measured."""
+    continuation, its step costs at a batch size) is made once and shared by every draft measured.
+    ``overhead``: SSD's fixed cost a round once :meth:`round_overhead` has read or measured it."""
 
     def __init__(self, model):
         self.model = model
         self._parts: dict[int, dict] = {}
         self._seq = None
+        self.overhead = None
+        self.overhead_record: dict | None = None
+
+    def round_overhead(self, layout: dict, measure) -> dict:
+        """The fixed cost a round on ``layout`` (``{"target_devices": n, "draft_devices": m}``, or empty for
+        one device): ``measure()`` returns seconds a round of AR, SD and SSD (``ar_s``, ``sd_s``,
+        ``ssd_s``) where compute is about zero; cached on disk and in this process."""
+        dev = jax.devices()[0]
+        fields = {"format": FORMAT, "kind": "round-overhead", "platform": dev.platform,
+                  "device_kind": dev.device_kind, "jax": jax.__version__, "layout": layout}  # fmt: skip
+        if dev.platform == "cpu":
+            fields["kernels"] = kernels.build_id()
+            fields["cpus"] = (
+                len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            )
+        key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+        path = kauto_dir() / f"{key}.json"
+        if not _recalibrate():
+            if str(path) in _OVERHEADS:
+                return {**_OVERHEADS[str(path)], "source": "cache"}
+            if (rec := read_json(path)) is not None:
+                _OVERHEADS[str(path)] = {**rec["costs"], "cache_file": str(path)}
+                return {**_OVERHEADS[str(path)], "source": "cache"}
+        costs = {k: float(v) for k, v in measure().items()}
+        write_atomic(path, {**fields, "costs": costs})
+        _OVERHEADS[str(path)] = {**costs, "cache_file": str(path)}
+        return {**costs, "source": "measured", "cache_file": str(path)}
 
     def _target_part(self, batch: int) -> dict:
         if batch not in self._parts:  # the continuation is the same at every batch size: made once

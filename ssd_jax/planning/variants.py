@@ -31,17 +31,18 @@ def two_meshes(spec) -> bool:
     return spec.target_devices is not None or spec.draft_devices is not None
 
 
-def ssd_best(cal, spec, batch: int) -> dict | None:
-    """SSD's best round for ``spec`` from ``cal`` (None for SD or an SD-only calibration)."""
+def ssd_best(cal, spec, batch: int, overhead=None) -> dict | None:
+    """SSD's best round for ``spec`` from ``cal`` (None for SD or an SD-only calibration); ``overhead``:
+    SSD's fixed cost a round (:class:`.ssd_model.Overhead`, None: not measured)."""
     if spec.method != "ssd":
         return None
     n_dd = (spec.draft_devices or 1) if two_meshes(spec) else 1
-    return best_ssd_plan(cal, spec, batch, two_meshes(spec), n_dd)
+    return best_ssd_plan(cal, spec, batch, two_meshes(spec), n_dd, overhead)
 
 
-def score(cal, spec, batch: int) -> tuple[int, float]:
+def score(cal, spec, batch: int, overhead=None) -> tuple[int, float]:
     """(K, expected speedup over AR) of the best round for ``spec``'s method from ``cal``."""
-    if (b := ssd_best(cal, spec, batch)) is not None:
+    if (b := ssd_best(cal, spec, batch, overhead)) is not None:
         return b["k"], b["expected_speedup"]
     sp = speedups_of(cal)
     k = best_k(sp) if spec.k == "auto" else int(spec.k)
@@ -134,7 +135,7 @@ def measure_variants(calibrator, spec, draft, batch: int, load) -> tuple[list[di
             continue
         cal = calibrator.record(dataclasses.replace(spec, draft=v), v, batch)
         measured |= cal.source == "measured"
-        k, s = score(cal, spec, batch)
+        k, s = score(cal, spec, batch, calibrator.overhead)
         rows.append(
             {
                 "draft_dtype": dt,
