@@ -93,3 +93,15 @@ def test_a_run_carries_the_plan_the_bound_and_the_measurement(pair, ar_ref, tmp_
     again = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft, backup="neural"))
     assert again.metrics["plan"]["measured"]["round_overhead"]["source"] == "cache"
     assert np.isfinite(again.metrics["plan"]["theorem7"]["bound"])
+
+
+def test_the_cli_prints_the_runs_bound_beside_its_prediction(tiny_llama_path, tmp_path, monkeypatch, capsys):
+    from ssd_jax.cli.decode import main
+
+    monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
+    args = ["--target", tiny_llama_path, "--draft", tiny_llama_path, "--method", "ssd", "--backup", "neural"]
+    assert main([*args, "--prompt-ids", "1,2,3,1,2,3", "--max-new-tokens", "8", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert "SSD fixed cost +" in err and "on a miss neural" in err  # the plan line
+    line = next(x for x in err.splitlines() if x.startswith("[ssd] predicted"))
+    assert "Theorem 7 bound" in line and "measured" in line
