@@ -1,5 +1,6 @@
 """tools/gpu_check.py cannot rot: its --smoke mode (the GPU script's code path end to end, on
-CPU with tiny shapes) runs here, and its full-size model shapes are Qwen2.5-1.5B's and 0.5B's."""
+CPU with tiny shapes, the round-cost, command-buffer and exactness steps included) runs here, its
+tables render from known results, and its full-size model shapes are Qwen2.5-1.5B's and 0.5B's."""
 
 import importlib.util
 import json
@@ -39,7 +40,9 @@ def test_results_name_the_commit_and_jax():
     assert gc.jax_version() == jax.__version__
 
 
-# slow (default-suite budget, 22 s): run it before a GPU check (make test-slow or pytest -m slow)
+# slow (default-suite budget: 35-50 s on the 2-core machine beside a benchmark, 22-35 s of it the
+# round-cost, command-buffer and exactness steps; 17-25 s without them): run it before a GPU check
+# (make test-slow or pytest -m slow)
 @pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
@@ -66,7 +69,14 @@ def test_smoke_run_end_to_end(tmp_path):
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + log[-3000:]
     res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert res["smoke"] and set(res["steps"]) == {"build", "device", "engine"}
+    assert res["smoke"] and set(res["steps"]) == {
+        "build",
+        "device",
+        "engine",
+        "exactness",
+        "cmdbuf",
+        "roundcost",
+    }
     assert (
         res["commit"].split("+")[0] == _module().commit().split("+")[0]
         and res["jax"] == _module().jax_version()
@@ -93,4 +103,57 @@ def test_smoke_run_end_to_end(tmp_path):
     prof = rows["ssd draft=unrelated, profiled stages"]
     assert prof["verify_s_per_round"] > 0 and prof["draft_s_per_round"] > 0  # build against verify
     assert rows["sd draft=unrelated, profiled stages"]["overhead_s_per_round"] is not None
-    assert "smoke run" in (tmp_path / "out" / "gpu_check.md").read_text()
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "smoke run" in md and "## Exactness apart from numerics" in md and "## Round cost" in md
+    _check_new_steps(res["steps"])
+
+
+def _check_new_steps(steps):
+    """The round-cost, command-buffer and exactness steps of a smoke run."""
+    rc = steps["roundcost"]["result"]
+    assert {r["method"] for r in rc["rows"]} == {"ar", "sd", "ssd"}
+    assert all(r["round_ms"] > 0 and r["calls_per_round"] >= 1 for r in rc["rows"])
+    assert any(r["profiled"] and r.get("verify_ms", 0) > 0 for r in rc["rows"])  # the stage split
+    assert "| one | ssd |" in rc["table"]
+    cb = steps["cmdbuf"]["result"]
+    # the CPU build knows the GPU flag (else only the default run, said so): both runs, and the note
+    assert set(cb["variants"]) == ({"default", "command buffers off"} if cb["flag_known"] else {"default"})
+    assert "not applicable on cpu" in cb["note"] or "does not define" in cb["note"]
+    for v in cb["variants"].values():
+        assert v["rc"] == 0 and len(v["rows"]) == 1 and all(min(r["decode_tok_s"]) > 0 for r in v["rows"])
+    off = cb["variants"].get("command buffers off")
+    assert off is None or "--xla_gpu_enable_command_buffer=" in off["xla_flags"]
+    ex = {r["dtype"]: r for r in steps["exactness"]["result"]["rows"]}
+    assert set(ex) == {"float32", "bfloat16"}
+    for dtype, r in ex.items():
+        # greedy speculation gives AR's tokens; the T = 1 emissions fit; the biased redraw does not
+        assert r["sd_mismatches"] == 0 and r["ssd_mismatches"] == 0, (dtype, r)
+        assert r["gof"]["passed"] and r["gof_own_dtype"]["passed"] and not r["control"]["passed"], r
+        assert r["gof"]["n"] > 100 and 0 < r["gof"]["acceptance"] < 1  # rejections happen
+        assert r["min_top1_margin"] > 0 and r["margin_positions"] == r["greedy_tokens"]
+        assert 0 <= r["argmax_agreement"] <= 1 and r["max_abs_diff"] >= 0
+    assert ex["float32"]["max_abs_diff"] < 1e-3 and ex["float32"]["argmax_agreement"] == 1.0
+
+
+def test_tables_render_the_new_steps():
+    """The markdown of known results: the exactness, command-buffer and round-cost sections."""
+    gc = _module()
+    fit = dict(n=512, pooled_p=[0.5, 0.4], min_p=0.4, tests=6, alpha=1e-4, passed=True, outside_support=0)
+    row = dict(
+        dtype="bfloat16", k=2, positions=12, max_abs_diff=0.03, argmax_agreement=1.0, logit_std=4.0,
+        min_top1_margin=0.02, margin_positions=48, margins_below_diff=1, greedy_tokens=48,
+        sd_mismatches=0, ssd_mismatches=2, gof={**fit, "acceptance": 0.5}, gof_own_dtype=fit,
+        control={**fit, "kind": "to_tail", "tv": 0.2, "min_p": 1e-9, "passed": False},
+    )  # fmt: skip
+    ar = {"model": "m", "decode_tok_s": [10.0, 12.0], "first_call_s": 1.0}
+    cb = {"flag": "--f=", "flag_known": True, "note": "n", "variants": {"default": {"rows": [ar]}}}
+    steps = {
+        "exactness": {"status": "ok", "seconds": 1.0, "result": {"rows": [row]}},
+        "cmdbuf": {"status": "ok", "seconds": 1.0, "result": cb},
+        "roundcost": {"status": "ok", "seconds": 1.0, "result": {"table": "# Round cost: t\n\n| x |\n"}},
+    }
+    res = dict(status="s", smoke=True, total_s=1.0, budget_s=480.0, commit="c", jax="j", xla_flags="")
+    md = gc.render({**res, "steps": steps, "engine_rows": []})
+    assert "| bfloat16 | 0.03 | 1 | 4 | 0.02 | 1 of 48 | 0 / 2 (48) | 512 | 0.4, True | 0.4, True " in md
+    assert "| (0.2) 1e-09, True |" in md
+    assert "| default | m | 12.0 | 10.0, 12.0 | 1.0 |" in md and "## Round cost: t" in md
