@@ -67,6 +67,22 @@ def test_causal_prefix_masks_and_rows_that_see_nothing():
     _close(got[2, 0], jnp.broadcast_to(v[2].mean(0)[:, None, :], got[2, 0].shape), tol=1e-5)
 
 
+def test_tree_masks_with_unseen_chunks_between_prefix_and_tree_region():
+    """An SSD tree step's mask: each branch sees its row's prefix and its own few slots in the tree region
+    past the cache's end, nothing between. The kernel skips the 16-slot chunks no query row sees; the
+    result is the reference's (rows of different prefixes, a chunk boundary inside the prefix, a blind row)."""
+    B, M, K, S, base = 2, 6, 3, 160, 130  # tree region [base, base + M * K)
+    q, k, v, _ = _case(B, M, 2, 2, 16, S, seed=11)
+    slot = np.arange(S)
+    prefix = np.array([37, 5])[:, None, None] > slot  # row 0: 37 slots (3 chunks), row 1: 5
+    d = 1  # the second tree step: each branch sees its own first two slots
+    own = (slot >= base + np.arange(M)[:, None] * K) & (slot <= base + np.arange(M)[:, None] * K + d)
+    mask = prefix | own[None]
+    mask[1, 2] = False  # a branch that sees nothing
+    got = jax.jit(lambda *a: kernels.attention(*a, 0.25))(q, k, v, jnp.asarray(mask))
+    _close(got, kernels.attention_reference(q, k, v, jnp.asarray(mask), 0.25))
+
+
 def test_a_bucket_or_window_reads_the_first_rows_and_slots_of_the_whole_cache():
     """A batch bucket (q over the first rows) and an attention window (a mask narrower than the cache)
     hand the kernel the whole cache buffers; it attends over the first B rows and S slots only, as the

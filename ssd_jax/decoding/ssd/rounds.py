@@ -69,24 +69,27 @@ class Control:
         return kb, rb, jnp.broadcast_to(fan, (self.batch, self.k)), live
 
 
-def verify_round(tparams, tcache, cur_B, spec: Proposal, step, key, rs, *, cfg, needs_filter):
+def verify_round(tparams, tcache, cur_B, spec: Proposal, step, key, rs, *, cfg, needs_filter, greedy=False):
     """Target mesh: score the speculation, rejection-sample, advance the cache.
 
+    ``greedy`` (static): every row of the round is greedy, so only the argmax matching runs (the same
+    outcome, and no random draws: XLA:CPU runs each threefry hash as a loop of its own).
     Returns (host array (B, K+2+P) = the round's tokens, n_accepted, log-probability columns; outcome (B, 3) = what the
     draft needs: n_accepted, the next ``cur``, the new length; cur, tcache, step + 1).
     """
     logits, tcache = target_score(tparams, tcache, cur_B, spec.tokens, cfg=cfg)
     out, outcome, nxt, new_len, step = sample_round(
-        key, step, logits, spec, rs, tcache.lengths, cur_B, needs_filter=needs_filter
+        key, step, logits, spec, rs, tcache.lengths, cur_B, needs_filter=needs_filter, greedy=greedy
     )
     return out, outcome, nxt, tcache.with_lengths(new_len), step
 
 
-def sample_round(key, step, logits, spec: Proposal, rs, lengths_B, cur_B, *, needs_filter):
+def sample_round(key, step, logits, spec: Proposal, rs, lengths_B, cur_B, *, needs_filter, greedy=False):
     """Rejection sampling alone (the profiled path's second target call); returns new lengths."""
     emitted, n, new_len, _, _, nxt, lpc = accept_step(
-        key, step, logits, spec.tokens, spec.n_draft, spec.q, rs, lengths_B, cur_B, needs_filter=needs_filter
-    )
+        key, step, logits, spec.tokens, spec.n_draft, spec.q, rs, lengths_B, cur_B, needs_filter=needs_filter,
+        greedy=greedy,
+    )  # fmt: skip
     out = jnp.concatenate([emitted, n[:, None], lpc], axis=1)
     return out, jnp.stack([n, nxt, new_len], axis=1), nxt, new_len, step + 1
 
@@ -191,8 +194,8 @@ def fused_round(
     next speculation, its post-miss flags, tcache, dcache, cur, step + 1).
     """
     out, outcome, nxt, tcache, _ = verify_round(
-        tparams, tcache, cur_B, spec, step, kverify, rs, cfg=cfg, needs_filter=needs_filter
-    )
+        tparams, tcache, cur_B, spec, step, kverify, rs, cfg=cfg, needs_filter=needs_filter, greedy=opts.greedy,
+    )  # fmt: skip
     tree_, dcache = build_round(
         dparams, dcache, cur_B, spec, post_miss_B, step, kdraft, rs, ctrl, cfg=dcfg, opts=opts, ctl=ctl
     )
@@ -244,20 +247,20 @@ def fused_slot_round(
     return pad_rows(out, active_B.shape[0]), sp, pm, tcache, dcache, rows
 
 
-def verify_slot(tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter):
+def verify_slot(tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter, greedy=False):
     """Target mesh: :func:`verify_round` over the slots. Returns (emitted, outcome, tcache, rows)."""
     out, outcome, nxt, tcache, _ = verify_round(
         tparams, tcache, rows.cur, spec, rows.steps, fold_in(rows.key_batch, 2), rows.rs, cfg=cfg,
-        needs_filter=needs_filter,
+        needs_filter=needs_filter, greedy=greedy,
     )  # fmt: skip
     return out, outcome, park(tcache, active_B), dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
 
 
-def sample_slot(logits, tcache, rows, spec: Proposal, active_B, *, needs_filter):
+def sample_slot(logits, tcache, rows, spec: Proposal, active_B, *, needs_filter, greedy=False):
     """The profiled path's second target call: rejection sampling after :func:`target_score`."""
     out, outcome, nxt, new_len, _ = sample_round(
         fold_in(rows.key_batch, 2), rows.steps, logits, spec, rows.rs, tcache.lengths, rows.cur,
-        needs_filter=needs_filter,
+        needs_filter=needs_filter, greedy=greedy,
     )  # fmt: skip
     tcache = park(tcache.with_lengths(new_len), active_B)
     return out, outcome, tcache, dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
@@ -329,12 +332,12 @@ def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None
     """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
     cache only: the draft's tree region lies past the context). ``bucket``: the fused rounds run the first
     ``bucket`` slots only (the split rounds, admission and the n-gram path run every slot)."""
-    p, nf = functools.partial, opts.needs_filter
+    p, nf, g = functools.partial, opts.needs_filter, opts.greedy
     C = Compiled
     progs = {
-        "verify": C(windowed(p(verify_slot, cfg=tcfg, needs_filter=nf), window, (1,)), donate_argnums=(1,), name="verify"),
+        "verify": C(windowed(p(verify_slot, cfg=tcfg, needs_filter=nf, greedy=g), window, (1,)), donate_argnums=(1,), name="verify"),
         "score": C(windowed(p(target_score, cfg=tcfg), window, (1,)), donate_argnums=(1,), name="score"),
-        "sample": C(p(sample_slot, needs_filter=nf), name="sample"),
+        "sample": C(p(sample_slot, needs_filter=nf, greedy=g), name="sample"),
         "build": C(p(build_slot, cfg=dcfg, opts=opts, ctl=ctl), donate_argnums=(1,), name="build"),
     }  # fmt: skip
     for b in ("neural", "random", "host"):

@@ -448,10 +448,12 @@ class SSD(Method):
         self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
         if "host" in self.kinds and not host_known:
             self._extend_history(out_h, live)
-        if self.adapts and self.est.key() != self._table_key:  # the schedules moved: new tables
+        if self.adapts and self.est.key() != self._table_key:  # the estimates moved: the schedules may have
             self._table_key = self.est.key()
-            self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
-            self._ctrls.clear()
+            sched, kb_tab, rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+            if not np.array_equal(sched, self.sched):  # new tables (uploaded with the next control vector)
+                self.sched, self.kb_tab, self.rb_tab = sched, kb_tab, rb_tab
+                self._ctrls.clear()
         k = K if self.switch is not None else None
         return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=k)
 

@@ -108,31 +108,54 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
   auto qrow = [&](int64_t t, int64_t g) { return q + (((b * T + t) * KVH + j) * G + g) * hd; };
   auto orow = [&](int64_t t, int64_t g) { return out + (((b * T + t) * KVH + j) * G + g) * hd; };
   const float neg = -std::numeric_limits<float>::infinity();
-  // scores: every key read once, dotted with all rows of the group
-  for (int64_t s = 0; s < smax; ++s) {
-    const float* ks = key(s);
-    for (int64_t t = 0; t < T; ++t) {
-      const bool vis = mb[t * S + s];
-      for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * S + s] = vis ? scale * dot(qrow(t, g), ks, hd) : neg;
-    }
+  // The slots read: spans of whole 16-slot chunks that some query row sees (an SSD tree step's rows see
+  // their prefix and a few slots of the tree region past the cache's end, not the slots between). A
+  // skipped chunk's scores would all be -inf and add exactly 0 to every sum below: the result is the
+  // same bit for bit. The last span ends at smax (the softmax's scalar tail lies in it).
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (int64_t c = 0; c * 16 < smax; ++c) {
+    const int64_t a = c * 16, e = std::min<int64_t>(smax, a + 16);
+    bool any = e == smax;
+    for (int64_t t = 0; t < T && !any; ++t)
+      for (int64_t s = a; s < e; ++s)
+        if (mb[t * S + s]) {
+          any = true;
+          break;
+        }
+    if (!any) continue;
+    if (!spans.empty() && spans.back().second == a)
+      spans.back().second = e;
+    else
+      spans.emplace_back(a, e);
   }
+  // scores: every key read once, dotted with all rows of the group
+  for (const auto& [a, e] : spans)
+    for (int64_t s = a; s < e; ++s) {
+      const float* ks = key(s);
+      for (int64_t t = 0; t < T; ++t) {
+        const bool vis = mb[t * S + s];
+        for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * S + s] = vis ? scale * dot(qrow(t, g), ks, hd) : neg;
+      }
+    }
   // softmax per row over [0, smax) (rows that see nothing: uniform over all S)
   std::vector<char> blind(rows, 0);
   for (int64_t r = 0; r < rows; ++r) {
     float* sr = scores + r * S;
     float m = neg;
-    for (int64_t s = 0; s < smax; ++s) m = std::max(m, sr[s]);
+    for (const auto& [a, e] : spans)
+      for (int64_t s = a; s < e; ++s) m = std::max(m, sr[s]);
     if (m == neg) {
       blind[r] = 1;
       continue;
     }
     f16v tot = f16v{};
     int64_t s = 0;
-    for (; s + 16 <= smax; s += 16) {
-      const f16v e = exp_neg(load16(sr + s) - m);
-      store16(sr + s, e);
-      tot += e;
-    }
+    for (const auto& [a, b] : spans)
+      for (s = a; s + 16 <= b; s += 16) {
+        const f16v e = exp_neg(load16(sr + s) - m);
+        store16(sr + s, e);
+        tot += e;
+      }
     float sum = 0.f;
     for (int l = 0; l < 16; ++l) sum += tot[l];
     for (; s < smax; ++s) {
@@ -141,24 +164,26 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
       sum += e;
     }
     const float inv = 1.f / sum;
-    for (s = 0; s < smax; ++s) sr[s] *= inv;
+    for (const auto& [a, b] : spans)
+      for (s = a; s < b; ++s) sr[s] *= inv;
   }
   // output: every value read once, accumulated into all rows of the group
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) std::memset(orow(t, g), 0, sizeof(float) * hd);
-  for (int64_t s = 0; s < smax; ++s) {
-    const float* vs = val(s);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = t * G + g;
-        const float p = scores[r * S + s];
-        if (blind[r] || p == 0.f) continue;
-        float* o = orow(t, g);
-        int64_t i = 0;
-        for (; i + 16 <= hd; i += 16) store16(o + i, load16(o + i) + p * load16(vs + i));
-        for (; i < hd; ++i) o[i] += p * vs[i];
-      }
-  }
+  for (const auto& [a, b] : spans)
+    for (int64_t s = a; s < b; ++s) {
+      const float* vs = val(s);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = t * G + g;
+          const float p = scores[r * S + s];
+          if (blind[r] || p == 0.f) continue;
+          float* o = orow(t, g);
+          int64_t i = 0;
+          for (; i + 16 <= hd; i += 16) store16(o + i, load16(o + i) + p * load16(vs + i));
+          for (; i < hd; ++i) o[i] += p * vs[i];
+        }
+    }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) {
       if (!blind[t * G + g]) continue;
