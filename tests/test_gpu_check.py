@@ -40,10 +40,8 @@ def test_results_name_the_commit_and_jax():
     assert gc.jax_version() == jax.__version__
 
 
-# slow (default-suite budget: 35-50 s on the 2-core machine beside a benchmark, 22-35 s of it the
-# round-cost, command-buffer and exactness steps; 17-25 s without them): run it before a GPU check
-# (make test-slow or pytest -m slow)
-@pytest.mark.slow
+# in the default set (the round-cost, command-buffer and exactness steps must keep working before a GPU
+# is lent): 35-50 s on the 2-core machine beside a benchmark, 22-35 s of it the new steps
 def test_smoke_run_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     p = subprocess.run(
