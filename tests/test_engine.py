@@ -43,14 +43,33 @@ def _engine(pair, spec, sp, slots, batch_buckets=1, **paged):
     )
 
 
-@pytest.mark.parametrize("method", list(SPECS))
+# SSD with its draft on a device of its own: a round's lookup runs when the next round is dispatched (or
+# the round is read, or rows are admitted), so admissions land while a round's lookup is still to run
+MESH_SPECS = {
+    f"ssd-meshes-{b}": (
+        lambda d, b=b: SpecConfig(
+            method="ssd",
+            draft=d,
+            k=2,
+            backup=b,
+            draft_dtype=None,
+            draft_vocab=None,
+            target_devices=1,
+            draft_devices=1,
+        )
+    )
+    for b in ("neural", "ngram")
+}
+
+
+@pytest.mark.parametrize("method", [*SPECS, *MESH_SPECS])
 def test_fewer_slots_than_sequences_and_late_arrivals(pair, method):
     """Five greedy sequences of different lengths through two slots, two of them submitted while rounds
     run: each equals generate() of its prompt alone (AR's tokens)."""
     target, draft = pair
     sp = SamplingParams(max_new_tokens=9, ignore_eos=True)
     alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in PROMPTS]
-    engine = _engine(pair, SPECS[method](draft), sp, slots=2)
+    engine = _engine(pair, {**SPECS, **MESH_SPECS}[method](draft), sp, slots=2)
     seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=9 - i)) for i, p in enumerate(PROMPTS)]
     engine.submit(seqs[:3])
     for _ in range(3):
@@ -60,6 +79,28 @@ def test_fewer_slots_than_sequences_and_late_arrivals(pair, method):
     assert [s.row.tokens for s in seqs] == [a[: 9 - i] for i, a in enumerate(alone)]
     assert all(s.finish_reason == "length" for s in seqs)
     assert engine.running == 0 and not engine.waiting
+
+
+def test_ssd_on_meshes_admits_beside_an_open_round_as_if_alone(pair):
+    """SSD on two meshes runs a round's lookup when the next round is dispatched: a sequence admitted
+    while a round's lookup is still to run gets the draft state it would have alone (sampled, seeded: the
+    same tokens whether it arrives late beside two others or first into an empty engine)."""
+    _, draft = pair
+    spec = MESH_SPECS["ssd-meshes-neural"](draft)
+    sp = SamplingParams(temperature=1.0, top_k=20, seed=11, max_new_tokens=8, ignore_eos=True)
+    alone = _engine(pair, spec, sp, slots=2)
+    solo = Sequence(PROMPTS[3], sp)
+    alone.submit([solo])
+    alone.run()
+    engine = _engine(pair, spec, sp, slots=3)
+    first = [Sequence(p, dataclasses.replace(sp, seed=i)) for i, p in enumerate(PROMPTS[:2])]
+    engine.submit(first)
+    for _ in range(3):
+        engine.step()
+    late = Sequence(PROMPTS[3], sp)
+    engine.submit([late])
+    engine.run()
+    assert late.row.tokens == solo.row.tokens
 
 
 # SD and SSD are slow-set here: by default test_serve's 32 concurrent requests check the same rule for them

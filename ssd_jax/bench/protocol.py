@@ -172,6 +172,8 @@ class EngineRunner:
             "tau_hit": m.get("tau_hit"),
             "tau_miss": m.get("tau_miss"),
             "round_s": m.get("round_s"),
+            # the plan's prediction beside the measurement (K auto): expected decode speedup over AR
+            "expected_speedup": ((m.get("plan") or {}).get("predicted") or {}).get("expected_speedup"),
             "token_ids": [o["token_ids"] for o in res.outputs],
         }
 
@@ -437,7 +439,14 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
                 ]
                 s[f + "_vs_base"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
                 s[f + "_pairs"] = len(pairs)
-            for f in ("acceptance_rate", "tokens_per_round", "ttft_s", "k", "cache_hit_rate"):
+            for f in (
+                "acceptance_rate",
+                "tokens_per_round",
+                "ttft_s",
+                "k",
+                "cache_hit_rate",
+                "expected_speedup",
+            ):
                 vals = [v[f] for _, v in mine if v.get(f) is not None]
                 s[f] = sum(vals) / len(vals) if vals else None
             same = [
@@ -496,10 +505,11 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
         "the first token; e2e = all tokens / wall time (prefill included).",
         "",
         f"| batch | category | method | prompts x repeats | decode tok/s [95% CI] | decode vs {base} [95% CI] "
+        "| plan's prediction vs AR "
         f"| e2e tok/s [95% CI] | e2e vs {base} [95% CI] | K | acceptance | tokens/round | SSD cache hits "
         "| decode / AR roofline "
         "| same tokens as AR | load avg | timed runs that compiled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     roof = e.get("roofline_ar_tok_s_per_row")
     for s in summarize(rows, base):
@@ -507,7 +517,9 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
         frac = f"{s['decode_tok_s'][0] / (roof * s['batch_size']):.0%}" if roof else "-"
         lines.append(
             f"| {s['batch_size']} | {s['category']} | {s['method']} | {s['prompts']} x {s['repeats']} "
-            f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} | {_ci(s['e2e_tok_s'])} "
+            f"| {_ci(s['decode_tok_s'])} | {_ci(s['decode_tok_s_vs_base'], x='x')} "
+            f"| {'-' if s['expected_speedup'] is None else format(s['expected_speedup'], '.2f') + 'x'} "
+            f"| {_ci(s['e2e_tok_s'])} "
             f"| {_ci(s['e2e_tok_s_vs_base'], x='x')} | {f(s['k'], 1)} | {f(s['acceptance_rate'])} "
             f"| {f(s['tokens_per_round'])} | {f(s['cache_hit_rate'])} "
             f"| {frac} | {f(s['same_tokens_as_ar'])} | {s['loadavg']:.2f} | {s['compiled_in_timed_runs']} |"
@@ -517,7 +529,8 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
         "decode / AR roofline: decode tok/s over the AR bandwidth ceiling (measured read bandwidth / weight "
         "bytes per token, times the batch size; KV-cache reads ignored); speculation can exceed 100%. K: the mean "
         "speculation length over runs (with K auto, the measured choice); SSD cache hits: the share of rounds "
-        "whose speculation came from the cache.",
+        "whose speculation came from the cache. The plan's prediction: the expected decode speedup over AR the "
+        "planner chose K by (K auto only; from the run's calibration, the mean over runs).",
     ]
     return "\n".join(lines) + "\n"
 

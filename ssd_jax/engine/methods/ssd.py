@@ -42,6 +42,23 @@ class SSDRound:
     out: jax.Array  # (B, K+2[+META]) emitted tokens, accepted count (fused: then the next speculation's meta)
     meta: jax.Array | None = None  # (B, META) the next speculation's meta (split rounds)
     host: np.ndarray | None = None  # the round's host copy, once read
+    lookup: Lookup | None = None  # a split round whose lookup has not run yet (SSD._finish runs it)
+
+
+@dataclasses.dataclass
+class Lookup:
+    """What a split round's second half needs: its outcome crosses to the draft, which looks it up in the
+    tree (the backup for rows that missed) and sends the next speculation back. It runs when the next
+    round is dispatched (or the round is read), so the host's work for the previous round overlaps the
+    verify instead of sitting between two verifies."""
+
+    progs: dict
+    ctrl: jax.Array
+    live: np.ndarray
+    active_d: jax.Array
+    tree: object
+    outcome: jax.Array
+    step: int
 
 
 @dataclasses.dataclass
@@ -121,6 +138,8 @@ class SSD(Method):
         sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
         self.sp, self.pm = jax.tree.map(self.dput, sp), self.dput(np.zeros(B, bool))
         self.sp_t = None if self.fused else ssd_host.spec_to_target(self.sp, pl)
+        self._no_host = (self.dput(np.zeros((B, K), np.int32)), self.dput(np.zeros(B, np.int32)))
+        self._open = None
         self.meta_next = np.zeros((B, META), np.int64)
         self.history = [np.zeros(0, np.int32)] * B
         self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
@@ -276,6 +295,7 @@ class SSD(Method):
 
     def admit(self, chunks, new: Rows):
         pl, dput = self.pl, self.dput
+        self._finish_open()  # the round in flight looks its outcome up before new rows' speculations land
         if self.idle:
             return super().admit(chunks, new)
         tok = self.admit_target(chunks, new)
@@ -317,6 +337,7 @@ class SSD(Method):
     # --- rounds
 
     _forced = None  # the kind a warm-up round runs
+    _open: SSDRound | None = None  # the split round whose lookup is still to run (see :class:`Lookup`)
 
     def choose_kind(self, live) -> str:
         if self._forced is not None:
@@ -335,6 +356,7 @@ class SSD(Method):
     _next_kind = "neural"
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
+        self._finish_open()
         if self.switch is not None:
             if self._forced_ar or (self._forced is None and bucket in self.ar_buckets):
                 return self._ar_round(live, window, mode, bucket)
@@ -386,33 +408,42 @@ class SSD(Method):
                 logits, self.tcache, self.rows, self.sp_t, active
             )
             tl.record("sample", self.tlane, outcome, round=step)
-        if pl.single:
-            rnd.out = out
-        else:
-            (outcome, _), (_, rnd.out) = pl.to_draft((outcome, out))
-        host_tok = host_n = None
+        rnd.out = out
+        rnd.lookup = Lookup(progs, ctrl, live, active_d, tree, outcome, step)
+        self._open = rnd
+        self.calls += 3 + self.profiled
+        return rnd
+
+    def _finish_open(self) -> None:
+        if self._open is not None:
+            self._finish(self._open)
+
+    def _finish(self, rnd: SSDRound) -> None:
+        """A split round's second half (:class:`Lookup`): the outcome to the draft, the lookup and backup
+        there, the next speculation and its meta back to the target."""
+        pl, tl, lk = self.pl, self.tl, rnd.lookup
+        rnd.lookup, self._open = None, None
+        outcome, progs, step = lk.outcome, lk.progs, lk.step
+        if not pl.single:
+            (outcome, _), (_, rnd.out) = pl.to_draft((outcome, rnd.out))
+        host_tok, host_n = self._no_host
         if rnd.kind == "host":  # n-gram lookups need this round's tokens: read them now
             rnd.host = pl.read(rnd.out)
-            self._extend_history(rnd.host, live)
+            self._extend_history(rnd.host, lk.live)
             a = time.perf_counter()
             ng, ng_n = ngram_proposals(
                 self.history,
                 self.K,
                 self.spec.prompt_lookup_min,
                 self.spec.prompt_lookup_max,
-                rows=np.flatnonzero(live),
+                rows=np.flatnonzero(lk.live),
             )
             host_tok, host_n = self.dput(ng), self.dput(ng_n.astype(np.int32))
             tl.mark("ngram", self.hlane, round=step, start=a, end=time.perf_counter())
-        else:
-            host_tok, host_n = (
-                self.dput(np.zeros((self.B, self.K), np.int32)),
-                self.dput(np.zeros(self.B, np.int32)),
-            )
         q = self.sp.q
         self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
-            self.draft.params, tree, self.dcache, outcome, self.drows, ctrl, host_tok, host_n, active_d
-        )
+            self.draft.params, lk.tree, self.dcache, outcome, self.drows, lk.ctrl, host_tok, host_n, lk.active_d,
+        )  # fmt: skip
         if self.sp.q is None and q is not None:  # a greedy round: the speculations keep their q
             self.sp = dataclasses.replace(self.sp, q=q)
         tl.record("advance", self.dlane, self.sp.tokens, round=step)
@@ -420,8 +451,6 @@ class SSD(Method):
             self.sp_t, rnd.meta = ssd_host.spec_to_target(self.sp, pl), meta
         else:
             (self.sp_t, _), (_, rnd.meta) = pl.to_target((ssd_host.spec_only(self.sp), meta))
-        self.calls += 3 + self.profiled
-        return rnd
 
     def _extend_history(self, host: np.ndarray, live) -> None:
         K = self.K
@@ -437,6 +466,8 @@ class SSD(Method):
             n = np.zeros(self.B, np.int64)
             return RoundOut(out_h[:, :1], n + 1, n, n > 0, logprobs=host_logprobs(out_h, 2, 1), k=0)
         self.k_rounds[K] += 1
+        if rnd.lookup is not None:  # not queued ahead: its lookup runs now
+            self._finish(rnd)
         host_known = rnd.host is not None
         out_h = rnd.host if host_known else pl.read(rnd.out)
         n_acc = out_h[:, K + 1]
@@ -497,6 +528,8 @@ class SSD(Method):
             self._hit_pending = None
 
     def drain(self, rnd: SSDRound) -> None:
+        if rnd.lookup is not None:
+            self._finish(rnd)
         jax.block_until_ready((rnd.out, self.sp.tokens))
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
