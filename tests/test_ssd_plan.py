@@ -2,6 +2,8 @@
 greedy hit simulation on known rank sequences, the round-time model with and without a device of
 the draft's own, and end to end on a tiny pair (the chosen K and budget are used, tokens = AR)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from test_sd import PROMPTS, _ids
@@ -88,3 +90,26 @@ def test_ssd_k_auto_chooses_its_round_and_stays_exact(pair, ar_ref, tmp_path, mo
     # a budget given by hand is kept; only K is chosen
     fixed = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft, fan_out_budget=3))
     assert fixed.metrics["fanout"]["budget"] == 3 and _ids(fixed) == ar_ref
+
+
+def test_the_measured_build_scales_the_composed_one_and_can_move_the_budget():
+    """The calibration times SSD's whole build once (``t_build``); the round model scales every composed
+    build by measured / composed at that (K, M), so a build the tree's own work makes slower prices every
+    budget higher, and a budget whose build no longer hides behind the verify loses to a smaller one."""
+    rec = _record(0.0)
+    c = dataclasses.replace(rec.costs, t_draft_rows={1: 0.05, 4: 0.05, 12: 0.1})
+    rec = dataclasses.replace(rec, costs=c)
+    composed = plan.composed_build(dict(c.t_draft_rows), 1, 3, 12)
+    assert composed == pytest.approx(0.05 + 3 * 0.1)
+    slow = dataclasses.replace(c, t_build={"k": 3, "budget": 12, "rows": 1, "s": 3.0 * composed})
+    assert plan.measured_build_scale(slow) == pytest.approx(3.0) and plan.measured_build_scale(c) == 1.0
+    base = {(p["k"], p["budget"]): p for p in plan.round_plans(rec, 1, overlap=True)}
+    scaled = {
+        (p["k"], p["budget"]): p for p in plan.round_plans(dataclasses.replace(rec, costs=slow), 1, True)
+    }
+    for key, p in base.items():
+        assert scaled[key]["build_s"] == pytest.approx(3.0 * p["build_s"])
+    # K = 4: every build hides behind the 1.1 s verify until tripled; then the 15-branch one does not
+    assert all(base[(4, m)]["build_s"] < base[(4, m)]["verify_s"] for m in (5, 15))
+    assert scaled[(4, 15)]["round_s"] > base[(4, 15)]["round_s"]
+    assert scaled[(4, 5)]["round_s"] == pytest.approx(base[(4, 5)]["round_s"])

@@ -224,6 +224,7 @@ def draft_part(spec, draft, target: dict, rand_vocab: int, row_counts=()) -> dic
                 seq_r = _timing_rows(seq, R)
                 t_rows[str(R)] = _step_through(draft, seq_r, P_LEN, max_len, generate=False, timing=True)[1]
             extra["t_draft_rows"] = t_rows
+            extra["t_build"] = time_build(draft, seq_b, max_len, *BUILD_PROBE)
         for b in range(rows):
             a, r = _simulate_alpha(seq[b], P_LEN + 1, lambda t, b=b: pred[b, t - 1 : t - 1 + K_MAX])
             acc, rej = acc + a, rej + r
@@ -242,6 +243,7 @@ def draft_part(spec, draft, target: dict, rand_vocab: int, row_counts=()) -> dic
     }
     if "t_draft_rows" in extra:
         costs["t_draft_rows"] = extra.pop("t_draft_rows")
+        costs["t_build"] = extra.pop("t_build")
     return {
         **extra,
         "alpha": float(alpha),
@@ -249,6 +251,44 @@ def draft_part(spec, draft, target: dict, rand_vocab: int, row_counts=()) -> dic
         "costs": costs,
         "calibration_tokens": int(rows * (seq.shape[1] - P_LEN)),
     }
+
+
+#: the (K, M) at which SSD's whole tree build is timed once (:func:`time_build`)
+BUILD_PROBE = (3, 12)
+
+
+def time_build(draft, seq_b: np.ndarray, max_len: int, K: int, M: int) -> dict:
+    """The median seconds of SSD's whole cache build (:func:`ssd_jax.decoding.ssd.tree.build_tree`: the
+    re-run of K + 1 tokens, the top-M candidates over the vocabulary, M branches decoded K steps under the
+    tree mask) at ``seq_b``'s rows, greedy, on a cache of the run's shape (its contents do not change the
+    cost). The round model composes a build from draft steps at several row counts; this one measurement
+    scales that composition to what the build's own work (candidates, sampling over every branch, the
+    tree's attention) adds. Returns {"k", "budget", "rows", "s"}."""
+    import jax
+
+    from ssd_jax.decoding.ssd import tree as ssd_tree
+    from ssd_jax.decoding.ssd.fanout import branch_layout, geometric_fanout
+    from ssd_jax.sampling.filters import RowSampling
+    from ssd_jax.sampling.filters import SamplingParams
+
+    B = seq_b.shape[0]
+    put = functools.partial(put_on, draft)
+    cache = cache_for(draft, B, max_len + M * K)
+    cache = cache.with_lengths(cache.lengths + P_LEN)
+    sched = geometric_fanout(0.7, 0.4, K, M)
+    kb, rb = branch_layout(np.broadcast_to(sched, (B, K + 1)), M)
+    V = draft.cfg.vocab_size
+    opts = ssd_tree.Opts(k=K, budget=M, vocab=V, rand_vocab=V, needs_filter=False, greedy=True, c=1.0,
+                         tree_base=max_len)  # fmt: skip
+    toks = np.resize(seq_b[:, P_LEN:], (B, K + 1)).astype(np.int32)
+    args = (
+        draft.params, cache, put(toks[:, 0]), put(toks[:, 1:]), put(np.full(B, K, np.int32)), put(kb), put(rb),
+        put(np.broadcast_to(sched[:K], (B, K)).astype(np.int32)), jax.random.key(0),
+        jax.tree.map(put, RowSampling.broadcast(SamplingParams(temperature=0.0), B)),
+    )  # fmt: skip
+    build = jax.jit(functools.partial(ssd_tree.build_tree, cfg=draft.cfg, opts=opts))
+    s = _median_time(lambda: jax.block_until_ready(build(*args)), reps=3)
+    return {"k": K, "budget": M, "rows": B, "s": s}
 
 
 def calibrate(model, spec, draft, batch: int, rand_vocab: int) -> dict:

@@ -42,13 +42,15 @@ class Costs:
     """Seconds per stage at the calibration's batch size.
 
     ``t_verify``: the target's forward over K + 1 tokens per row, keyed by K (a few K measured);
-    ``t_draft_rows``: one draft step at several row counts (SSD's build), keyed by rows."""
+    ``t_draft_rows``: one draft step at several row counts (SSD's build), keyed by rows; ``t_build``: SSD's
+    whole build timed once ({"k", "budget", "rows", "s"}, :func:`.calibration.time_build`)."""
 
     t_ar: float
     t_verify: Mapping[int, float]
     t_draft_step: float = 0.0
     c_round: float = 0.0
     t_draft_rows: Mapping[int, float] | None = None
+    t_build: Mapping | None = None
 
     @classmethod
     def from_json(cls, d: Mapping) -> Costs:
@@ -59,6 +61,7 @@ class Costs:
             float(d.get("t_draft_step", 0.0)),
             float(d.get("c_round", 0.0)),
             None if rows is None else {int(k): float(v) for k, v in rows.items()},
+            d.get("t_build"),
         )
 
     def to_json(self) -> dict:
@@ -70,6 +73,8 @@ class Costs:
         }
         if self.t_draft_rows is not None:
             out["t_draft_rows"] = {str(k): v for k, v in self.t_draft_rows.items()}
+        if self.t_build is not None:
+            out["t_build"] = dict(self.t_build)
         return out
 
 
@@ -222,7 +227,7 @@ class Calibrator:
         path = kauto_dir() / f"{key}.json"
         rec = read_json(path)
         rows = ssd_rows(batch) if spec.method == "ssd" and draft is not None else ()
-        if rec is not None and (not rows or "t_draft_rows" in rec["costs"]) and not _recalibrate():
+        if rec is not None and (not rows or "t_build" in rec["costs"]) and not _recalibrate():
             return Calibration.from_json(rec, "cache", path)
         rec = {**fields, **draft_part(spec, draft, self._target_part(batch), rv, rows)}
         write_atomic(path, rec)
