@@ -403,6 +403,12 @@ def _meet(name: str) -> None:
 # --- the report ------------------------------------------------------------------------------
 
 
+#: the env line's fields a report lists
+ENV_FIELDS = ("bandwidth_gb_s", "roofline_ar_tok_s_per_row", "target", "draft", "weights", "peer", "threads", "versions")  # fmt: skip
+#: per-run fields a summary averages (the plan's prediction among them)
+MEAN_FIELDS = ("acceptance_rate", "tokens_per_round", "ttft_s", "k", "cache_hit_rate", "expected_speedup")
+
+
 def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
     """One summary per (batch size, category or ``all``, method): tok/s and intervals of the ratio to
     ``base`` (``ar``; a peer report also uses e.g. ``hf-generate``); ``same_tokens_as_ar`` is always against AR."""
@@ -439,14 +445,7 @@ def summarize(rows: Sequence[dict], base: str = "ar") -> list[dict]:
                 ]
                 s[f + "_vs_base"] = ratio_ci(clustered(pairs, log=True)) if pairs else (math.nan,) * 3
                 s[f + "_pairs"] = len(pairs)
-            for f in (
-                "acceptance_rate",
-                "tokens_per_round",
-                "ttft_s",
-                "k",
-                "cache_hit_rate",
-                "expected_speedup",
-            ):
+            for f in MEAN_FIELDS:
                 vals = [v[f] for _, v in mine if v.get(f) is not None]
                 s[f] = sum(vals) / len(vals) if vals else None
             same = [
@@ -485,16 +484,7 @@ def render(rows: Sequence[dict], title: str = "Benchmark protocol", base: str = 
         f"{', '.join(format(x['loadavg'][0], '.2f') for x in envs if 'loadavg' in x)}.",
         "",
     ]
-    for k in (
-        "bandwidth_gb_s",
-        "roofline_ar_tok_s_per_row",
-        "target",
-        "draft",
-        "weights",
-        "peer",
-        "threads",
-        "versions",
-    ):
+    for k in ENV_FIELDS:
         if k in e:
             lines.append(f"- {k}: {e[k]}")
     lines += [
