@@ -172,7 +172,6 @@ class EngineRunner:
             "tau_hit": m.get("tau_hit"),
             "tau_miss": m.get("tau_miss"),
             "round_s": m.get("round_s"),
-            # the plan's prediction beside the measurement (K auto): expected decode speedup over AR
             "expected_speedup": ((m.get("plan") or {}).get("predicted") or {}).get("expected_speedup"),
             "token_ids": [o["token_ids"] for o in res.outputs],
         }
@@ -405,7 +404,7 @@ def _meet(name: str) -> None:
 
 #: the env line's fields a report lists
 ENV_FIELDS = ("bandwidth_gb_s", "roofline_ar_tok_s_per_row", "target", "draft", "weights", "peer", "threads", "versions")  # fmt: skip
-#: per-run fields a summary averages (the plan's prediction among them)
+#: per-run fields a summary averages (the plan's prediction among them: its expected decode speedup over AR)
 MEAN_FIELDS = ("acceptance_rate", "tokens_per_round", "ttft_s", "k", "cache_hit_rate", "expected_speedup")
 
 
