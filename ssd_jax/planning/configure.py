@@ -34,7 +34,7 @@ from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.planning.head_model import choose_head_k
 from ssd_jax.planning.policy import BucketPlans, BucketSwitch, KPlan
 from ssd_jax.planning.records import Calibration, Calibrator
-from ssd_jax.planning.sd_model import best_k, speedups_of
+from ssd_jax.planning.sd_model import best_k, interpolate_verify, speedups_of
 from ssd_jax.planning.ssd_model import Overhead
 from ssd_jax.planning.variants import (
     apply_variant,
@@ -275,7 +275,7 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
     measured = predicted = None
     if cal is not None:
         c = cal.costs
-        tv = c.t_verify.get(int(spec.k), max(c.t_verify.values()))
+        tv = interpolate_verify(c.t_verify).get(int(spec.k), max(c.t_verify.values()))  # K between measured K
         measured = {
             "alpha": cal.alpha,
             "alpha_source": cal.alpha_source,
