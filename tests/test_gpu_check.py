@@ -7,8 +7,6 @@ import json
 import math
 import os
 import subprocess
-
-import pytest
 import sys
 from pathlib import Path
 
