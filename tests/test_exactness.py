@@ -511,7 +511,6 @@ def test_server_path_emissions_follow_the_target(agree_pair):
     assert not rep.rejected, str(rep)
 
 
-@pytest.mark.slow
 def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
     """The control of the test above: the same path with the bonus token drawn from the draft's q fails."""
     _bonus_from_q(monkeypatch)
@@ -521,3 +520,50 @@ def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
         assert rep.rejected, str(rep)
     finally:
         sd_mod.sd_round_program.cache_clear()
+
+
+def _ssd_server_path_run(pair, seed):
+    """SSD through the server's path, offline: 8 slots for 4 x N_ROWS / 2 sequences (two first, the rest
+    four rounds later) admitted one by one as slots free, prefill chunks of 4, one-call rounds over batch buckets, AR rounds (K = 0, the draft idle,
+    then caught up) at the buckets of 1 and 2 rows, Saguaro C = 0.3, the neural backup. (SSD's cache is not paged: no
+    prefix hits or preemption on this path yet.)"""
+    from ssd_jax.engine.core import Engine, Mode, Sequence
+    from ssd_jax.engine.methods import build_method
+    from ssd_jax.planning.policy import BucketSwitch
+
+    target, draft = pair
+    sp = dataclasses.replace(T1, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=seed)
+    spec = dataclasses.replace(
+        _spec("ssd", "neural", 0.3, draft=draft), k_plan=BucketSwitch(K, 2.0, 0.5, zero=(1, 2))
+    )
+    method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
+    engine = Engine(method, max_batch=8, max_len=64, prefill_chunk=4, admit_together=False, batch_buckets=4)
+    rows = N_ROWS // 2
+    seqs = [Sequence(p, sp, index=i) for p in STAT_PROMPTS for i in range(rows)]
+    engine.submit(seqs[:2])  # two rows first: AR rounds at the 2-row bucket, then the rest arrive
+    for _ in range(4):
+        engine.step()
+    engine.submit(seqs[2:])
+    engine.run()
+    assert method.k_rounds[0] > 0 and method.k_rounds[K] > 0  # AR rounds and SSD rounds both ran
+    assert len(engine.bucket_rounds) > 1  # more than one batch bucket
+    em = collect(target, STAT_PROMPTS, [{"token_ids": s.row.tokens} for s in seqs], K, sp)
+    return goodness_of_fit(em, seed=seed)
+
+
+def test_ssd_server_path_emissions_follow_the_target(agree_pair):
+    """Sampled SSD through the server's engine path (late admissions, batch buckets, AR rounds at a bucket
+    and the draft's catch-up after them) follows the target's distribution."""
+    rep = _ssd_server_path_run(agree_pair, seed=910)
+    assert not rep.rejected, str(rep)
+
+
+def test_ssd_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
+    """Its control: the bonus token after a fully accepted round drawn from the draft's q fails."""
+    _bonus_from_q(monkeypatch)
+    ssd_rounds.ssd_programs.cache_clear()
+    try:
+        rep = _ssd_server_path_run(agree_pair, seed=911)
+        assert rep.rejected, str(rep)
+    finally:
+        ssd_rounds.ssd_programs.cache_clear()
