@@ -265,3 +265,23 @@ def test_adaptive_k_seeded_runs_repeat(pair):
     spec = SpecConfig(method="sd", draft=draft, k=8, k_plan=KPlan.from_costs(1.0, COSTS, 8))
     a, b = generate(target, PROMPTS, sp, spec), generate(target, PROMPTS, sp, spec)
     assert _ids(a) == _ids(b) and a.metrics["k_rounds"] == b.metrics["k_rounds"]
+
+
+def test_a_server_speculates_only_beyond_the_models_error():
+    """With a margin (a server: SERVING_MARGIN, the planner's measured prediction error) a bucket runs AR
+    rounds where the predicted gain is positive but inside the margin, and speculates beyond it; SSD's
+    per-bucket switch applies the same margin to its timed rounds."""
+    from ssd_jax.planning.policy import SERVING_MARGIN, BucketSwitch
+
+    # 4 rows: a verify of K + 1 tokens costs 1.45 (K = 1) to 5 (K = 8) steps; α 0.6: K = 1 gains ~7%
+    costs = {**COSTS, "t_verify": {"1": 1.45, "8": 5.0}}
+    bare = KPlan.from_costs(0.6, costs, k0=1, zero=True)
+    kept = KPlan.from_costs(0.6, costs, k0=1, zero=True, margin=SERVING_MARGIN)
+    best = max(bare.speedup(0.6, k) for k in bare.ks)
+    assert 1.0 < best < 1.0 + SERVING_MARGIN
+    assert bare.choose(0.6) > 0 and kept.choose(0.6) == 0
+    assert kept.choose(1.0) > 0 and kept.speedup(1.0, kept.choose(1.0)) > 1.0 + SERVING_MARGIN
+    assert kept.explore_k(None, 0.6) == bare.choose(0.6)  # exploring rounds still try the best K > 0
+    switch = BucketSwitch(3, 2.0, 0.6, margin=0.12)
+    assert switch.speculates(4, t_round=1.7, t_ar=1.0) and not switch.speculates(4, t_round=1.9, t_ar=1.0)
+    assert BucketSwitch(3, 2.0, 0.6).speculates(4, t_round=1.9, t_ar=1.0)

@@ -32,7 +32,7 @@ from ssd_jax.drafters.eagle import is_eagle, load_eagle
 from ssd_jax.errors import UserError
 from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.planning.head_model import choose_head_k
-from ssd_jax.planning.policy import BucketPlans, BucketSwitch, KPlan
+from ssd_jax.planning.policy import SERVING_MARGIN, BucketPlans, BucketSwitch, KPlan
 from ssd_jax.planning.records import Calibration, Calibrator
 from ssd_jax.planning.sd_model import best_k, interpolate_verify, speedups_of
 from ssd_jax.planning.ssd_model import Overhead
@@ -111,6 +111,8 @@ class Plan:
         if p.get("variants"):
             dt, dv = c.get("draft_dtype") or "target dtype", c.get("draft_vocab") or "full head"
             out += f"; draft {dt}/{dv} of {len(p['variants'])} variants"
+        if c.get("margin"):
+            out += f"; speculating only where the predicted gain beats AR by > {c['margin']:.0%} (the model's error)"
         return out
 
 
@@ -235,13 +237,14 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
             spec = dataclasses.replace(spec, backup="neural" if best["backup"] == "neural" else "ngram")
     policy = None
     if spec.method == "sd":  # K re-chosen every round (K = 0 an AR round), per bucket in a server
-        policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True)
+        margin = SERVING_MARGIN if serving else 0.0  # a server speculates only beyond the model's error
+        policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True, margin=margin)
         if len(buckets) > 1 and not two_meshes(spec):
             policy = BucketPlans(
-                tuple(_bucket_plan(calibrator, spec, draft, b, policy, rows) for b in buckets)
+                tuple(_bucket_plan(calibrator, spec, draft, b, policy, rows, margin) for b in buckets)
             )
     elif serving and extra and not two_meshes(spec):  # SSD's K and budget fix its tree: AR rounds or K
-        policy = BucketSwitch(int(k), float(best["tokens_per_round"]), cal.alpha)
+        policy = BucketSwitch(int(k), float(best["tokens_per_round"]), cal.alpha, margin=SERVING_MARGIN)
     info = {
         **extra,
         "alpha": cal.alpha,
@@ -255,12 +258,14 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
     return dataclasses.replace(spec, k=k, k_plan=policy), info, cal, policy
 
 
-def _bucket_plan(calibrator: Calibrator, spec, draft, bucket: int, full: KPlan, rows: int):
+def _bucket_plan(
+    calibrator: Calibrator, spec, draft, bucket: int, full: KPlan, rows: int, margin: float = 0.0
+):
     """(bucket, its plan): the calibration at ``bucket`` rows (``full``, the plan at ``rows``, for it)."""
     if bucket == rows:
         return bucket, full
     cal = calibrator.record(spec, draft, bucket)
-    return bucket, KPlan.from_costs(cal.alpha, cal.costs, best_k(speedups_of(cal)), zero=True)
+    return bucket, KPlan.from_costs(cal.alpha, cal.costs, best_k(speedups_of(cal)), zero=True, margin=margin)
 
 
 def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: float, calibrator=None) -> Plan:
@@ -272,6 +277,9 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
         chosen["backup"] = spec.backup
     if isinstance(policy, BucketPlans):
         chosen["by_bucket"] = policy.summary()
+    margin = policy.plans[-1][1].margin if isinstance(policy, BucketPlans) else getattr(policy, "margin", 0.0)
+    if margin:
+        chosen["margin"] = margin
     measured = predicted = None
     if cal is not None:
         c = cal.costs
