@@ -85,7 +85,7 @@ def _grid(alpha: float) -> int:
 #: planner's own prediction error as the hardware-fair protocol measured it (docs/serving.md#k-by-batch-bucket):
 #: at 95b4e24 SD's speedup over AR was predicted 12% (SmolLM2) and 20% (Qwen pair) above the measurement, so
 #: a predicted gain below 12% is within the model's error. The outside serving benchmark's case, SD on
-#: SmolLM2 at 4 rows predicted 1.01x and measured 0.87x, runs AR rounds under it.
+#: SmolLM2 at 4 rows predicted 1.01x and measured 0.87x, runs AR rounds under it (not re-measured).
 SERVING_MARGIN = 0.12
 
 
