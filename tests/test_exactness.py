@@ -511,22 +511,28 @@ def test_server_path_emissions_follow_the_target(agree_pair):
     assert not rep.rejected, str(rep)
 
 
-def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
-    """The control of the test above: the same path with the bonus token drawn from the draft's q fails."""
+def _biased_server_path_fails(run, programs, pair, seed, monkeypatch):
+    """``run`` with the bonus token after a fully accepted round drawn from the draft's q (its compiled
+    ``programs`` rebuilt around the bias, and again after) is rejected."""
     _bonus_from_q(monkeypatch)
-    sd_mod.sd_round_program.cache_clear()
+    programs.cache_clear()
     try:
-        rep = _server_path_run(agree_pair, seed=901)
+        rep = run(pair, seed=seed)
         assert rep.rejected, str(rep)
     finally:
-        sd_mod.sd_round_program.cache_clear()
+        programs.cache_clear()
+
+
+def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
+    """The control of the test above: the same path with the bonus token drawn from the draft's q fails."""
+    _biased_server_path_fails(_server_path_run, sd_mod.sd_round_program, agree_pair, 901, monkeypatch)
 
 
 def _ssd_server_path_run(pair, seed):
     """SSD through the server's path, offline: 8 slots for 4 x N_ROWS / 2 sequences (two first, the rest
-    four rounds later) admitted one by one as slots free, prefill chunks of 4, one-call rounds over batch buckets, AR rounds (K = 0, the draft idle,
-    then caught up) at the buckets of 1 and 2 rows, Saguaro C = 0.3, the neural backup. (SSD's cache is not paged: no
-    prefix hits or preemption on this path yet.)"""
+    four rounds later) admitted one by one as slots free, prefill chunks of 4, one-call rounds over batch
+    buckets, AR rounds (K = 0, the draft idle, then caught up) at the buckets of 1 and 2 rows, Saguaro
+    C = 0.3, the neural backup. (SSD's cache is not paged: no prefix hits or preemption here yet.)"""
     from ssd_jax.engine.core import Engine, Mode, Sequence
     from ssd_jax.engine.methods import build_method
     from ssd_jax.planning.policy import BucketSwitch
@@ -560,10 +566,4 @@ def test_ssd_server_path_emissions_follow_the_target(agree_pair):
 
 def test_ssd_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
     """Its control: the bonus token after a fully accepted round drawn from the draft's q fails."""
-    _bonus_from_q(monkeypatch)
-    ssd_rounds.ssd_programs.cache_clear()
-    try:
-        rep = _ssd_server_path_run(agree_pair, seed=911)
-        assert rep.rejected, str(rep)
-    finally:
-        ssd_rounds.ssd_programs.cache_clear()
+    _biased_server_path_fails(_ssd_server_path_run, ssd_rounds.ssd_programs, agree_pair, 911, monkeypatch)

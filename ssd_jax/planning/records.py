@@ -140,22 +140,25 @@ def draft_desc(spec, draft, rand_vocab: int) -> dict:
     }
 
 
-def machine_key(model, desc: dict, batch: int) -> tuple[dict, str]:
-    """(the key's fields, their hash: the file's name)."""
+def machine_fields(**what) -> tuple[dict, str]:
+    """(the key's fields: ``what`` and the machine it was measured on; their hash: the file's name)."""
     dev = jax.devices()[0]
     fields = {
         "format": FORMAT,
         "platform": dev.platform,
         "device_kind": dev.device_kind,
         "jax": jax.__version__,
-        "target": fingerprint(model),
-        "draft": desc,
-        "batch": batch,
     }
+    fields.update(what)
     if dev.platform == "cpu":  # the stage costs depend on the CPU kernels' code and the cores allowed
         fields["kernels"] = kernels.build_id()
         fields["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return fields, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def machine_key(model, desc: dict, batch: int) -> tuple[dict, str]:
+    """(the key's fields, their hash: the file's name) of a calibration of ``model`` with drafter ``desc``."""
+    return machine_fields(target=fingerprint(model), draft=desc, batch=batch)
 
 
 def rand_vocab(model) -> int:
@@ -170,10 +173,6 @@ def ssd_rows(batch: int) -> tuple[int, ...]:
 
 def _recalibrate() -> bool:
     return bool(os.environ.get("SSD_JAX_KAUTO_RECALIBRATE"))
-
-
-#: round-overhead records already read or measured by this process, by file
-_OVERHEADS: dict[str, dict] = {}
 
 
 class Calibrator:
@@ -191,26 +190,13 @@ class Calibrator:
     def round_overhead(self, layout: dict, measure) -> dict:
         """The fixed cost a round on ``layout`` (``{"target_devices": n, "draft_devices": m}``, or empty for
         one device): ``measure()`` returns seconds a round of AR, SD and SSD (``ar_s``, ``sd_s``,
-        ``ssd_s``) where compute is about zero; cached on disk and in this process."""
-        dev = jax.devices()[0]
-        fields = {"format": FORMAT, "kind": "round-overhead", "platform": dev.platform,
-                  "device_kind": dev.device_kind, "jax": jax.__version__, "layout": layout}  # fmt: skip
-        if dev.platform == "cpu":
-            fields["kernels"] = kernels.build_id()
-            fields["cpus"] = (
-                len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            )
-        key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+        ``ssd_s``) where compute is about zero; cached on disk."""
+        fields, key = machine_fields(kind="round-overhead", layout=layout)
         path = kauto_dir() / f"{key}.json"
-        if not _recalibrate():
-            if str(path) in _OVERHEADS:
-                return {**_OVERHEADS[str(path)], "source": "cache"}
-            if (rec := read_json(path)) is not None:
-                _OVERHEADS[str(path)] = {**rec["costs"], "cache_file": str(path)}
-                return {**_OVERHEADS[str(path)], "source": "cache"}
+        if not _recalibrate() and (rec := read_json(path)) is not None:
+            return {**rec["costs"], "source": "cache", "cache_file": str(path)}
         costs = {k: float(v) for k, v in measure().items()}
         write_atomic(path, {**fields, "costs": costs})
-        _OVERHEADS[str(path)] = {**costs, "cache_file": str(path)}
         return {**costs, "source": "measured", "cache_file": str(path)}
 
     def _target_part(self, batch: int) -> dict:
