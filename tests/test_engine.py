@@ -213,13 +213,19 @@ SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # a 20-to
 
 # slow-set (default-suite budget): test_serve's servers run paged caches over HTTP, and test_exactness's
 # server-path test asserts prefix hits and preemptions under its statistical test
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram")])
+@pytest.mark.parametrize(
+    "method",
+    ["ssd", "ssd-meshes-ngram"]
+    + [pytest.param(m, marks=pytest.mark.slow) for m in ("sd", "ar", "ngram", "ssd-meshes-neural")],
+)
 def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
     """A paged cache of 4-slot blocks: prompts sharing a 20-token prefix reuse its cached blocks (hits
     counted), and a pool too small for every slot preempts the newest sequence, which is recomputed and
     continues. Greedy output equals generate() of each prompt alone; a seeded sampled run draws the same
-    tokens paged, preempted or not (each row continues at its own step)."""
+    tokens paged, preempted or not (each row continues at its own step; SSD's with the speculation it had).
+    SSD's draft cache is paged too (the target's blocks and ids, its tree in blocks of its own)."""
     target, draft = pair
+    make = {**SPECS, **MESH_SPECS}[method]
     prompts = [SHARED + p for p in PROMPTS]
     lengths = [30, 8, 25, 30, 12]
     sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -227,9 +233,7 @@ def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
     # 3 slots of 64 positions (16 blocks each) over a pool of 17: two rows of 55 tokens (5 shared blocks and
     # 9 of their own each) cannot both grow
     for blocks, must_preempt in ((60, False), (17, True)):
-        engine = _engine(
-            pair, SPECS[method](draft), sp, slots=3, batch_buckets=2, kv_blocks=blocks, block_size=4
-        )
+        engine = _engine(pair, make(draft), sp, slots=3, batch_buckets=2, kv_blocks=blocks, block_size=4)
         seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
         engine.submit(seqs)
         engine.run()
@@ -241,7 +245,7 @@ def test_paged_cache_with_prefix_caching_and_preemption(pair, method):
     hot = dataclasses.replace(sp, temperature=1.0, top_k=20, seed=3)
     runs = []
     for paged in ({}, {"kv_blocks": 17, "block_size": 4}):
-        engine = _engine(pair, SPECS[method](draft), hot, slots=3, **paged)
+        engine = _engine(pair, make(draft), hot, slots=3, **paged)
         seqs = [Sequence(p, dataclasses.replace(hot, max_new_tokens=n)) for p, n in zip(prompts, lengths)]
         engine.submit(seqs)
         engine.run()

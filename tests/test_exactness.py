@@ -532,7 +532,8 @@ def _ssd_server_path_run(pair, seed):
     """SSD through the server's path, offline: 8 slots for 4 x N_ROWS / 2 sequences (two first, the rest
     four rounds later) admitted one by one as slots free, prefill chunks of 4, one-call rounds over batch
     buckets, AR rounds (K = 0, the draft idle, then caught up) at the buckets of 1 and 2 rows, Saguaro
-    C = 0.3, the neural backup. (SSD's cache is not paged: no prefix hits or preemption here yet.)"""
+    C = 0.3, the neural backup, both caches paged in 4-slot blocks too few for every slot (prefix hits:
+    a prompt's samples share its blocks; preemptions: re-admitted rows resume their speculation)."""
     from ssd_jax.engine.core import Engine, Mode, Sequence
     from ssd_jax.engine.methods import build_method
     from ssd_jax.planning.policy import BucketSwitch
@@ -543,7 +544,10 @@ def _ssd_server_path_run(pair, seed):
         _spec("ssd", "neural", 0.3, draft=draft), k_plan=BucketSwitch(K, 2.0, 0.5, zero=(1, 2))
     )
     method = build_method(target, spec, (Mode.of([sp]),), lambda name: draft)
-    engine = Engine(method, max_batch=8, max_len=64, prefill_chunk=4, admit_together=False, batch_buckets=4)
+    engine = Engine(
+        method, max_batch=8, max_len=64, prefill_chunk=4, admit_together=False, batch_buckets=4,
+        kv_blocks=56, block_size=4,
+    )  # fmt: skip
     rows = N_ROWS // 2
     seqs = [Sequence(p, sp, index=i) for p in STAT_PROMPTS for i in range(rows)]
     engine.submit(seqs[:2])  # two rows first: AR rounds at the 2-row bucket, then the rest arrive
@@ -553,13 +557,15 @@ def _ssd_server_path_run(pair, seed):
     engine.run()
     assert method.k_rounds[0] > 0 and method.k_rounds[K] > 0  # AR rounds and SSD rounds both ran
     assert len(engine.bucket_rounds) > 1  # more than one batch bucket
+    assert engine.preemptions > 0 and engine.pages.pool.hits > 0, (engine.preemptions, engine.pages.pool.hits)
     em = collect(target, STAT_PROMPTS, [{"token_ids": s.row.tokens} for s in seqs], K, sp)
     return goodness_of_fit(em, seed=seed)
 
 
 def test_ssd_server_path_emissions_follow_the_target(agree_pair):
     """Sampled SSD through the server's engine path (late admissions, batch buckets, AR rounds at a bucket
-    and the draft's catch-up after them) follows the target's distribution."""
+    and the draft's catch-up after them, paged caches with prefix hits and preemptions) follows the
+    target's distribution."""
     rep = _ssd_server_path_run(agree_pair, seed=910)
     assert not rep.rejected, str(rep)
 

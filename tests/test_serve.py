@@ -198,6 +198,7 @@ def servers(pair, tmp_path_factory):
             assert (k == "0") == (x == "") and (k == "0" or float(x) >= 1.0)  # K > 0 only where it pays
     if "ssd" in errs:
         assert "method=ssd" in errs["ssd"][1] and "fan-out budget=6" in errs["ssd"][1]  # 2 (K + 1) branches
+        assert "kv=paged" in errs["ssd"][1]  # both models' caches paged, each on its device
     for name, (_, err) in errs.items():
         assert ("windows=160" if name in ("sd", "eagle", "ssd-eagle") else "windows=80,160") in err
     if "eagle" in errs:  # K auto: the default 4 for a head with no stored curve (the tiny pair's random one)
@@ -237,7 +238,7 @@ def offline_prefixed(pair):
     return [o["token_ids"] for o in res.outputs]
 
 
-@pytest.mark.parametrize("method", ["ar", "sd"])
+@pytest.mark.parametrize("method", ["ar", "sd", "ssd"])
 def test_prefix_caching_reuses_a_shared_prompt(servers, offline_prefixed, method):
     """Three requests sharing a long prompt prefix, one after another: the later ones find its blocks in
     the paged cache's prefix cache (counted in /metrics in vLLM's names) and their greedy output still

@@ -51,7 +51,7 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     preempted: int = 0  # times it gave its slot back (paged cache full) to be recomputed later
-    resume: tuple[int, int, int] | None = None  # preempted: its (cur, prev, step) to continue from
+    resume: tuple | None = None  # preempted: its method's row state (cur, prev, step, ...) to continue from
     order: int = -1  # when it was (last) admitted: the newest is preempted first
     prefix_hit: int = 0  # paged: prompt tokens found in the prefix cache at its (last) admission
     # with sampling.logprobs: per token, (its log-probability, [(id, log-probability)] of the best alternatives)
@@ -289,13 +289,17 @@ class Engine:
         while True:
             short = [
                 b for b, s in enumerate(self.slots)
-                if s is not None and not self.pages.grow(b, s.context + (in_flight + 1) * self.extra_slots + 1)
+                if s is not None and not self.pages.grow(b, s.context + self._reach(in_flight))
             ]  # fmt: skip
             if not short:
                 return True
             if in_flight:
                 return False
             self._preempt(max((b for b, s in enumerate(self.slots) if s is not None), key=self._admission))
+
+    def _reach(self, in_flight: int) -> int:
+        """Slots past a row's context that the rounds in flight and the next one may write."""
+        return in_flight * self.extra_slots + self.method.page_reach
 
     def _admission(self, b: int) -> int:
         return self.slots[b].order
@@ -309,8 +313,7 @@ class Engine:
         prompt and tokens so far are prefilled (mostly from the prefix cache) and it continues from its
         last token at its own step, so it draws the same tokens as if never preempted."""
         s = self.slots[b]
-        cur, prev, step = self.method.row_state(b)
-        s.resume, s.preempted = (cur, prev, step), s.preempted + 1
+        s.resume, s.preempted = self.method.row_state(b), s.preempted + 1
         cached = self._cached_tokens(s)
         self.pages.release(b, cached, len(cached))
         self.slots[b] = None
@@ -394,7 +397,7 @@ class Engine:
                 continue
             if self.pages is not None:
                 tokens = self._cached_tokens(s) if s.resume is not None else s.prompt_ids
-                hit = self.pages.admit(free[0], tokens, 2 * self.extra_slots + 1)
+                hit = self.pages.admit(free[0], tokens, self._reach(1))
                 if hit is None:  # too few blocks free: it waits (first) for a sequence to end
                     self.waiting.appendleft(s)
                     break
@@ -428,7 +431,7 @@ class Engine:
             if (
                 s.resume is not None
             ):  # a preempted sequence: it continues where it was (its first token is not new)
-                self.method.restore(b, *s.resume)
+                self.method.restore(b, s.resume, s.row.tokens[-1])
                 s.resume = None
                 continue
             s.row = RowState(s.prompt, s.prompt_ids, self.model, s.sampling, self.eos)

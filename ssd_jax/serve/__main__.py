@@ -53,7 +53,7 @@ def build_parser() -> Parser:
         default=None,
         help="blocks in the paged KV cache's pool (default: enough for every slot's whole context, "
         "--max-batch x --max-model-len / --block-size; fewer: sequences are preempted and recomputed "
-        "when it runs out; 0: no paging, a contiguous cache per slot). AR and SD on one device",
+        "when it runs out; 0: no paging, a contiguous cache per slot). AR, SD and SSD, each model on one device",
     )
     g.add_argument("--block-size", type=int, default=16, help="KV-cache slots per block")
     g.add_argument(

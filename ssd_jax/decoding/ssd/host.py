@@ -129,3 +129,42 @@ def stage_metrics(tl, wall: float, ttft: float) -> dict:
         "overhead_s": max(0.0, wall - ttft - verify_s - sample_s - exposed),
         "overlap_fraction": tl.overlap_fraction("verify", "build"),
     }
+
+
+def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
+    """An SSD run's metrics (:meth:`ssd_jax.engine.methods.ssd.SSD.metrics`): hits, tokens per round,
+    the fan-out estimators, backups, stage times of a profiled run and K = 0 rounds."""
+    st, est = m.stats, m.est
+    m.tl.close()
+    tl = m.tl
+    if m.profiled and dist.multi_process():  # every process's lanes, on process 0
+        tl = merged_timeline(tl, m.origin)
+    if m.trace_path and dist.is_main() and tl is not None:
+        tl.write_chrome(m.trace_path)
+    names = ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction")
+    stages = stage_metrics(tl, wall, ttft) if m.profiled and tl is not None else dict.fromkeys(names)
+    return {
+        "k": m.K,
+        "draft": m.draft.name,
+        "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
+        "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
+        "tau_hit": st.tau["hit"][0] / st.tau["hit"][1] if st.tau["hit"][1] else 0.0,
+        "tau_miss": st.tau["miss"][0] / st.tau["miss"][1] if st.tau["miss"][1] else 0.0,
+        "fanout": {
+            "mode": "uniform" if m.uniform else "geometric",
+            "budget": m.M,
+            "schedule": est.schedule(False).tolist(),
+            "post_miss_schedule": est.schedule(True).tolist(),
+            **est.to_dict(),
+        },
+        "saguaro_c": float(m.spec.saguaro_c),
+        "backup": m.spec.backup,
+        "b_star": m.b_star,
+        "backup_model": m.costs,
+        "fallback_calls": dict(st.fallback_calls),
+        **stages,
+        "calls_per_round": m.calls / max(1, rounds),
+        "k_rounds": {str(k): n for k, n in m.k_rounds.items()},
+        "ar_buckets": sorted(m.ar_buckets),
+        "bucket_costs": {str(b): c for b, c in m.bucket_costs.items()},
+    }

@@ -25,6 +25,11 @@ class Method:
     bucketed = False  # runs a round over the first rows only (batch buckets); else every slot, always
     pageable = False  # its caches may be paged (ssd_jax.engine.blocks)
 
+    @property
+    def page_reach(self) -> int:
+        """Slots past a row's context (its tokens and cur) one round may write (blocks it must hold)."""
+        return self.extra_slots + 1
+
     def __init__(self, model, modes):
         self.model, self.modes = model, tuple(modes)
         self.put = functools.partial(put_on, model)
@@ -57,12 +62,12 @@ class Method:
         r = self.rows
         return int(np.asarray(r.cur)[b]), int(np.asarray(r.prev)[b]), int(np.asarray(r.steps)[b])
 
-    def restore(self, b: int, cur: int, prev: int, step: int) -> None:
-        """Slot ``b`` continues a preempted sequence: its (cur, prev, step) as they were (after the
-        re-admission's prefill, whose sampled token is not used)."""
+    def restore(self, b: int, state, cur: int) -> None:
+        """Slot ``b`` continues a preempted sequence: ``state`` (what :meth:`row_state` gave) as it was
+        (after the re-admission's prefill, whose sampled token is not used); ``cur`` its last token."""
         from ssd_jax.decoding.slots import restore_row
 
-        self.rows = restore_row(self.rows, self.put(np.array([b, cur, prev, step], np.int32)))
+        self.rows = restore_row(self.rows, self.put(np.array([b, *state], np.int32)))
 
     def window(self, w: int) -> int | None:
         """A round's attention window; None when it is the whole cache (no windowing)."""

@@ -234,8 +234,8 @@ class SD(Method):
         if self.dcache is not None:  # the draft's pool has the same blocks: the same table
             self.dcache = dataclasses.replace(self.dcache, pages=self.put(table))
 
-    def restore(self, b: int, cur: int, prev: int, step: int) -> None:
-        super().restore(b, cur, prev, step)
+    def restore(self, b: int, state, cur: int) -> None:
+        super().restore(b, state, cur)
         if self.kind == "host":  # its history ends with the token the re-admission sampled: cur instead
             self.history[b] = np.concatenate([self.history[b][:-1], np.array([cur], np.int32)])
 

@@ -17,6 +17,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
+from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
@@ -96,6 +97,8 @@ class SSD(Method):
         self.trace_path = trace_path
         self.profiled = bool(trace_path) or spec.profile_stages
         self.fused = placement.single and not self.profiled
+        # paged caches on one device per model (ssd_jax.decoding.ssd.paging)
+        self.pageable = len(placement.target_devices) == 1 and len(placement.draft_devices) == 1
         # batch buckets: the fused round (one device) runs the smallest bucket holding the running rows
         self.bucketed = self.fused
         # auto on one device is the neural backup: the n-gram lookup needs the round's tokens on the host,
@@ -122,17 +125,25 @@ class SSD(Method):
     def setup_draft(self, engine) -> None:
         B, K, M, pl = self.B, self.K, self.M, self.pl
         tok = self.model.tokenizer
+        # paged: the draft's pool is the target's blocks plus each slot's tree blocks (ssd.paging)
+        self.dpages = None if self.paged is None else draft_pages(self.paged, B, self.max_len, M * K)
         self.opts = Opts(
             k=K, budget=M, vocab=self.model.cfg.vocab_size,
             rand_vocab=tok.vocab_size if tok is not None else self.model.cfg.vocab_size,
-            needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c), tree_base=self.max_len,
+            needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c),
+            tree_base=self.max_len if self.dpages is None else self.dpages.tree_base,
             mesh=None if pl.single else self.draft.mesh,
         )  # fmt: skip
         self.ctl = Control(k=K, budget=M, batch=B)
         # the fan-out schedule adapts online to the acceptance seen only with one slot: with more, the
         # batch's outcomes would steer each row's tree, and a seeded row would depend on its batch mates
         self.adapts = B == 1
-        self.dcache = jax.tree.map(self.dput, llama.init_cache(self.draft.cfg, B, self.max_len + M * K))
+        dcache = (
+            llama.init_cache(self.draft.cfg, B, self.max_len + M * K)
+            if self.dpages is None
+            else self.dpages.cache(self.draft.cfg)
+        )
+        self.dcache = jax.tree.map(self.dput, dcache)
         self.drows = self.rows if self.fused else jax.tree.map(self.dput, Rows.empty(B, self.n_ban))
         q = None if not self.carry_q else np.full((B, K, self.model.cfg.vocab_size), -np.inf, np.float32)
         sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
@@ -285,6 +296,47 @@ class SSD(Method):
             fan = self.sched[0, : self.K]  # the schedule of a row after a hit (layout_table's first row)
             ctrl = self._ctrls[key] = self.dput(self.ctl.pack(self.kb_tab, self.rb_tab, fan, live))
         return ctrl
+
+    # --- the paged cache
+
+    @property
+    def page_reach(self) -> int:
+        # the verify and the tree build's re-run write K + 1 slots from the row's length L; a backup
+        # re-draft writes K more from the new length (at most L + K + 1), up to slot L + 2K
+        return max(self.K + 2, 2 * self.K)
+
+    def set_pages(self, table) -> None:
+        super().set_pages(table)
+        self.dcache = dataclasses.replace(self.dcache, pages=self.dput(self.dpages.table(table)))
+
+    def _row_parts(self):
+        """What a preempted row keeps: its (cur, prev, step) on the target's mesh; on the draft's its
+        speculation, post-miss flag and (split rounds) the draft's copy of the row's state."""
+        r, d = self.rows, self.drows
+        on_draft = (self.sp, self.pm) + (() if self.fused else ((d.cur, d.prev, d.steps),))
+        return (r.cur, r.prev, r.steps), on_draft
+
+    def row_state(self, b: int):
+        on_target, on_draft = self._row_parts()
+        return take_row(on_target, self.put(np.int32(b))), take_row(on_draft, self.dput(np.int32(b)))
+
+    def restore(self, b: int, state, cur: int) -> None:
+        """A re-admitted row verifies the speculation it had when preempted, from its own (cur, prev,
+        step) (:mod:`ssd_jax.decoding.ssd.paging`)."""
+        on_target, on_draft = self._row_parts()
+        (c, p, st), d = (
+            put_row(on_target, state[0], self.put(np.int32(b))),
+            put_row(on_draft, state[1], self.dput(np.int32(b))),
+        )
+        self.rows = dataclasses.replace(self.rows, cur=c, prev=p, steps=st)
+        self.sp, self.pm = d[0], d[1]
+        if self.fused:
+            self.drows = self.rows
+        else:
+            self.drows = dataclasses.replace(self.drows, cur=d[2][0], prev=d[2][1], steps=d[2][2])
+            self.sp_t = ssd_host.spec_to_target(self.sp, self.pl)
+        if "host" in self.kinds:  # its history ends with the token the re-admission sampled: cur instead
+            self.history[b] = np.concatenate([self.history[b][:-1], np.array([cur], np.int32)])
 
     # --- admission
 
@@ -533,45 +585,7 @@ class SSD(Method):
         jax.block_until_ready((rnd.out, self.sp.tokens))
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
-        st, est = self.stats, self.est
-        self.tl.close()
-        tl = self.tl
-        if self.profiled and dist.multi_process():  # every process's lanes, on process 0
-            tl = ssd_host.merged_timeline(tl, self.origin)
-        if self.trace_path and dist.is_main() and tl is not None:
-            tl.write_chrome(self.trace_path)
-        names = ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction")
-        stages = (
-            ssd_host.stage_metrics(tl, wall, ttft)
-            if self.profiled and tl is not None
-            else dict.fromkeys(names)
-        )
-        return {
-            "k": self.K,
-            "draft": self.draft.name,
-            "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
-            "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
-            "tau_hit": st.tau["hit"][0] / st.tau["hit"][1] if st.tau["hit"][1] else 0.0,
-            "tau_miss": st.tau["miss"][0] / st.tau["miss"][1] if st.tau["miss"][1] else 0.0,
-            "fanout": {
-                "mode": "uniform" if self.uniform else "geometric",
-                "budget": self.M,
-                "schedule": est.schedule(False).tolist(),
-                "post_miss_schedule": est.schedule(True).tolist(),
-                **est.to_dict(),
-            },
-            "saguaro_c": float(self.spec.saguaro_c),
-            "backup": self.spec.backup,
-            "b_star": self.b_star,
-            "backup_model": self.costs,
-            "fallback_calls": dict(st.fallback_calls),
-            **stages,
-            "calls_per_round": self.calls / max(1, rounds),
-            "k_rounds": {str(k): n for k, n in self.k_rounds.items()},
-            "ar_buckets": sorted(self.ar_buckets),
-            "bucket_costs": {str(b): c for b, c in self.bucket_costs.items()},
-            "devices": device_metrics(self.pl),
-        }
+        return {**ssd_host.run_metrics(self, wall, ttft, rounds), "devices": device_metrics(self.pl)}
 
     def row_metrics(self, b: int) -> dict:
         st = self.stats
