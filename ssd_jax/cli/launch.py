@@ -19,7 +19,9 @@ its own GPUs already). Without it every process may use every core.
 Process 0's stdout is forwarded as it is (so ``--json`` output parses); every process's stderr
 (and the other processes' stdout) goes to stderr, each line prefixed ``[pN]``. When a process
 exits with a non-zero status the launcher stops the others and exits with that status (128 +
-signal for a killed process), after one line saying which process failed.
+signal for a killed process), after one line saying which process failed. SIGTERM is passed on to
+every process and the launcher exits with their status (0 for a server that shut down cleanly:
+``serve`` runs HTTP in process 0 and SSD's draft in process 1, :mod:`ssd_jax.serve.lockstep`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ import time
 
 from ssd_jax.cli.args import Parser
 
-COMMANDS = {"decode": "ssd_jax.decode", "bench": "ssd_jax.bench", "roundcost": "ssd_jax.roundcost"}
+COMMANDS = {
+    "decode": "ssd_jax.decode",
+    "bench": "ssd_jax.bench",
+    "roundcost": "ssd_jax.roundcost",
+    "serve": "ssd_jax.serve",
+}
 #: seconds between SIGTERM and SIGKILL when stopping the remaining processes
 GRACE_S = 3.0
 
@@ -203,7 +210,8 @@ def run(argv=None) -> int:
             if p.poll() is None:
                 p.terminate()
 
-    signal.signal(signal.SIGTERM, lambda *a: (stop_all(), sys.exit(143)))
+    # SIGTERM is passed on and the launcher waits: a server drains its requests and every process exits 0
+    signal.signal(signal.SIGTERM, lambda *a: stop_all())
     try:
         first_bad = _watch(procs, stop_all, args.no_kill, err_b)
     except KeyboardInterrupt:

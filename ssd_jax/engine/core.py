@@ -54,6 +54,7 @@ class Sequence:
     resume: tuple | None = None  # preempted: its method's row state (cur, prev, step, ...) to continue from
     order: int = -1  # when it was (last) admitted: the newest is preempted first
     prefix_hit: int = 0  # paged: prompt tokens found in the prefix cache at its (last) admission
+    uid: int = -1  # its number in a server under the launcher (how process 1 names it)
     # with sampling.logprobs: per token, (its log-probability, [(id, log-probability)] of the best alternatives)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 

@@ -229,7 +229,8 @@ def _plain(dtype) -> bool:
     return True
 
 
-def _link() -> Link:
+def link() -> Link:
+    """This process's one :class:`Link` to the other (made on first use, in the same order in both)."""
     if not _LINK:
         _LINK.append(Link())
     return _LINK[0]
@@ -284,13 +285,13 @@ class Bridge:
     def _move_linked(self, leaves, treedef, src: str, to: str):
         """The move over the :class:`Link`: the source process reads its copy and sends the bytes, the
         other receives them (shapes and dtypes from its own view of the same arrays) and places them."""
-        me, link = jax.process_index(), _link()
+        me, conn = jax.process_index(), link()
         if me == self._proc[src]:
             hosts = [np.asarray(x.addressable_shards[0].data) for x in leaves]
-            link.send(b"".join(np.ascontiguousarray(h).tobytes() for h in hosts))
+            conn.send(b"".join(np.ascontiguousarray(h).tobytes() for h in hosts))
         else:
             sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves]
-            buf, off, hosts = link.recv(sum(sizes)), 0, []
+            buf, off, hosts = conn.recv(sum(sizes)), 0, []
             for x, n in zip(leaves, sizes):
                 hosts.append(
                     np.frombuffer(

@@ -78,6 +78,7 @@ verification is argmax matching either way. Cache lookups and hits are counted i
 (``spec_decode_num_cache_lookups`` / ``_hits``).
 
 The host queues round T+1 before reading round T wherever the method allows (not n-gram rounds,
-which need round T's tokens), as offline. The server runs in one process: a ``jax.distributed``
-launch is refused at start-up.
+which need round T's tokens), as offline. Under ``python -m ssd_jax.launch --processes 2 ... serve --method ssd
+--target-devices N --draft-devices N`` process 0 serves HTTP and process 1 runs the draft, stepping
+the same engine (:mod:`ssd_jax.serve.lockstep`).
 """

@@ -14,6 +14,7 @@ import signal
 import sys
 
 from ssd_jax.cli.args import Parser, add_model_args, add_spec_args, spec_from_args
+from ssd_jax.parallel.distributed import is_main
 
 
 def build_parser() -> Parser:
@@ -76,11 +77,25 @@ def build_parser() -> Parser:
         "/health and /metrics stay open)",
     )
     g.add_argument("--log-level", default="warning")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one process of a launcher run (python -m ssd_jax.launch ... serve, which adds it): process 0 "
+        "serves HTTP, process 1 runs SSD's draft (ssd_jax.serve.lockstep)",
+    )
     return p
 
 
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.distributed:
+        from ssd_jax.cli.decode import run_distributed
+
+        return run_distributed(_serve, args)
+    return _serve(args)
+
+
+def _serve(args) -> int:
     spec = _checked_spec(args)
     import uvicorn
 
@@ -94,6 +109,8 @@ def run(argv=None) -> int:
     if draft is not None:
         max_len = min(max_len, draft.cfg.max_position_embeddings)
     engine, metrics, method = _serving_engine(args, spec, model, max_len)
+    if engine.channel is not None and not is_main():  # process 1: the same engine, stepped as process 0 says
+        return _follow(engine)
     name = args.served_model_name or str(args.target)
     k = 0 if spec.method == "ar" else int(spec.k)
     ssd = (
@@ -105,7 +122,7 @@ def run(argv=None) -> int:
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
         + f" slots={args.max_batch} buckets={','.join(map(str, method.buckets))} context={max_len} "
-        f"windows={','.join(map(str, engine.windows))}{_paged_note(engine.engine)}: "
+        f"windows={','.join(map(str, engine.windows))}{_paged_note(engine.engine)}{_layout_note()}: "
         f"compiled in {engine.engine.compile_s:.1f}s; "
         f"http://{args.host}:{args.port}/v1",
         file=sys.stderr,
@@ -122,8 +139,44 @@ def run(argv=None) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    _server_class()(config).run()
+    server = _server_class()(config)
+    dead: list[bool] = []
+    if engine.channel is not None:  # a dead peer: its requests have failed; the server ends, non-zero
+
+        def on_dead():
+            dead.append(True)
+            server.should_exit = True
+
+        engine.on_dead = on_dead
+    server.run()
+    if engine.channel is not None:
+        if dead:
+            from ssd_jax.parallel.distributed import fail_fast
+
+            fail_fast(f"the server stopped: the engine failed ({engine.error})")
+        engine.channel.send("stop")  # process 1 leaves its loop; both meet at the shutdown barrier
     return 0
+
+
+def _follow(engine) -> int:
+    """Process 1 of a launcher run: ignore SIGTERM (process 0 says when to stop, after its in-flight
+    requests), step the engine as told; a lost process 0 ends it with one line."""
+    from ssd_jax.parallel.distributed import fail_fast
+    from ssd_jax.serve.lockstep import follow
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("[serve] process 1: following process 0's steps", file=sys.stderr, flush=True)
+    try:
+        follow(engine.engine, engine.channel)
+    except (RuntimeError, OSError) as e:
+        fail_fast(f"lost process 0 ({' '.join(str(e).split())[:200]})")
+    return 0
+
+
+def _layout_note() -> str:
+    from ssd_jax.parallel.distributed import multi_process
+
+    return " processes=2 (draft on process 1)" if multi_process() else ""
 
 
 def _checked_spec(args):
@@ -146,10 +199,15 @@ def _checked_spec(args):
             "--max-waiting and --kv-blocks >= 0"
         )
     spec.validate()
-    if multi_process():
+    if multi_process() and not (
+        spec.method == "ssd"
+        and spec.target_devices is not None
+        and spec.draft_devices is not None
+        and jax_process_count() == 2
+    ):
         raise UserError(
-            "the server runs in one process: serve SSD's draft on a device of its own with "
-            "--target-devices 1 --draft-devices 1 (one process, two devices)"
+            "under the launcher the server runs SSD with its draft in the second process: "
+            "python -m ssd_jax.launch --processes 2 serve --method ssd --target-devices N --draft-devices N ..."
         )
     if spec.method == "ar" or spec.draft in ("ngram", "random"):  # nothing for "auto" to choose
         spec = dataclasses.replace(
@@ -203,6 +261,12 @@ def _planned(args, spec, model):
     return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
 
 
+def jax_process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
 def _default_context_buckets() -> int:
     """1 where the CPU attention kernel serves decode and verify blocks (its cost follows each row's
     context, not the window: measured equal at 256 and 2,048 slots, docs/serving.md), else 4 (XLA's
@@ -229,6 +293,8 @@ def _serving_engine(args, spec, model, max_len):
     from ssd_jax.serve.engine import ServingEngine
     from ssd_jax.serve.metrics import Metrics
 
+    from ssd_jax.parallel.distributed import multi_process
+
     metrics = Metrics(0 if spec.method == "ar" else int(spec.k))
     spec.validate()
     method = build_method(model, spec, ALL_MODES, load_model)
@@ -247,7 +313,12 @@ def _serving_engine(args, spec, model, max_len):
         block_size=args.block_size,
         prefix_caching=args.prefix_caching,
     )
-    return ServingEngine(core, max_waiting=args.max_waiting), metrics, method
+    channel = None
+    if multi_process():  # step messages to process 1 (ssd_jax.serve.lockstep)
+        from ssd_jax.serve.lockstep import Channel
+
+        channel = Channel()
+    return ServingEngine(core, max_waiting=args.max_waiting, channel=channel), metrics, method
 
 
 def _server_class():
