@@ -40,6 +40,14 @@ def test_methods_map_to_server_flags():
     m = sb.parse_method("sd:ngram:2 --no-prefix-caching --block-size 32")
     assert m["name"] == "sd-ngram-k2+no-prefix-caching+block-size+32"
     assert m["flags"][-3:] == ["--no-prefix-caching", "--block-size", "32"]
+    # SSD with its draft in a process of its own: the server under the launcher
+    m = sb.parse_method("ssd:smollm2-135m-draft:2 --launch")
+    assert m["launch"] and m["name"] == "ssd-draft-k2+launch"
+    assert (
+        m["flags"][-4:] == ["--target-devices", "1", "--draft-devices", "1"] and "--launch" not in m["flags"]
+    )
+    with pytest.raises(UserError, match="SSD only"):
+        sb.parse_method("sd:ngram:2 --launch")
     for bad in ("ssd", "sd", "sd:ngram:0", "sd:ngram:x", "beam", "ssd:ngram:3", "ar extra", ""):
         with pytest.raises(UserError):
             sb.parse_method(bad)
@@ -72,5 +80,30 @@ def test_report_compares_with_ar_and_counts_prefix_hits_and_preemptions():
         {"kind": "load", "method": "ar", "rate": 1.0, "span": 10.0, "tokens": 20, "loadavg": 0.5},
     ]  # fmt: skip
     table = sb.render(rows, {"target": "t", "system_tokens": 512})
-    assert "| 1 | sd-x | 1 (0) | 3.0 [nan, nan] | 1.50x |" in table and "| 0.75 | 2 |" in table
+    assert "| 1 req/s | sd-x | 1 (0) | 3.0 [nan, nan] | 1.50x | - |" in table and "| 0.75 | 2 |" in table
     assert "512-token system message" in table and "per cell: 0.5-1.5" in table
+
+
+def test_the_plans_prediction_is_weighted_by_the_rounds_at_each_bucket_and_loads_sort():
+    """A cell's predicted speedup: each bucket's prediction weighted by the rounds run there during the
+    cell; a server with one prediction for every bucket keeps it; none without a plan. Poisson rates
+    sort before fixed concurrencies, each by its number."""
+    before = {"plan|1": 1.5, "plan|4": 1.1, "rounds|1": 10.0, "rounds|4": 0.0}
+    after = {"plan|1": 1.5, "plan|4": 1.1, "rounds|1": 40.0, "rounds|4": 10.0}
+    assert sb.predicted_speedup(before, after) == pytest.approx((1.5 * 30 + 1.1 * 10) / 40)
+    assert sb.predicted_speedup({}, {"plan|4": 1.2, "plan|8": 1.2}) == pytest.approx(1.2)
+    assert (
+        sb.predicted_speedup({}, {"plan|4": 1.2, "plan|8": 1.0}) is None
+        and sb.predicted_speedup({}, {}) is None
+    )
+    req = {"kind": "request", "repeat": 0, "ok": True, "ttft": 0.1, "tpot": 0.01, "e2e": 1.0, "tokens": 20}
+    rows = []
+    for level in ("c8", 0.5, "c1", 0.1):
+        rows += [{**req, "method": "ar", "rate": level},
+                 {"kind": "load", "method": "ar", "rate": level, "span": 10.0, "tokens": 20, "predicted": 1.0}]  # fmt: skip
+    table = sb.render(rows, {"target": "t"})
+    order = [
+        line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "| ar |" in line
+    ]
+    assert order == ["| 0.1 req/s", "| 0.5 req/s", "| concurrency 1", "| concurrency 8"]
+    assert "| 1.00x |" in table

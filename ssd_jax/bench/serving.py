@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
-import random
 import shlex
 import signal
 import socket
@@ -41,21 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ssd_jax.bench.serving_load import poisson_arrivals, run_closed, run_load, system_prompt
 from ssd_jax.bench.stats import mean_ci
 from ssd_jax.bench.sweep import append_row, read_results
 from ssd_jax.errors import UserError
-
-
-def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
-    """``n`` arrival offsets (s) of a Poisson process at ``rate`` per second, starting at 0."""
-    if not rate > 0 or n < 1:
-        raise UserError(f"--rates must be > 0 and --requests >= 1, got rate {rate}, n {n}")
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 def parse_method(m: str) -> dict:
@@ -66,6 +53,13 @@ def parse_method(m: str) -> dict:
     if own and not own[0].startswith("--"):
         raise UserError(f"method {m!r}: what follows the method must be server flags (--...)")
     out = _parse_spec(spec, m)
+    out["launch"] = "--launch" in own
+    if out["launch"]:  # SSD's draft in a process of its own: the server under the launcher
+        if not spec.startswith("ssd:"):
+            raise UserError(f"method {m!r}: --launch serves SSD only (its draft in process 1)")
+        own = [f for f in own if f != "--launch"]
+        out["name"] += "+launch"
+        out["flags"] = out["flags"] + ["--target-devices", "1", "--draft-devices", "1"]
     if own:
         out["name"] += "+" + "+".join(f.lstrip("-") for f in own)
         out["flags"] = out["flags"] + own
@@ -107,24 +101,26 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``python -m ssd_jax.serve`` subprocess on a free local port."""
+    """A ``python -m ssd_jax.serve`` subprocess on a free local port; ``launch``: under ``python -m
+    ssd_jax.launch --processes 2`` (SSD's draft in process 1); ``cores``: the cores it may use (one
+    process: all of them; launched: one each, in order)."""
 
-    def __init__(self, target: str, flags: list[str], extra: list[str], log_path: Path):
+    def __init__(
+        self, target: str, flags: list[str], extra: list[str], log_path: Path, launch=False, cores=None
+    ):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        cmd = [
-            sys.executable,
-            "-m",
-            "ssd_jax.serve",
-            "--target",
-            target,
-            "--port",
-            str(self.port),
-            *flags,
-            *extra,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        env = dict(os.environ)
+        env.pop("SSD_JAX_CPUS", None)
+        cmd = [sys.executable, "-m", "ssd_jax.serve"]
+        if launch:
+            cmd = [sys.executable, "-m", "ssd_jax.launch", "--processes", "2"]
+            cmd += ["--cpus-per-process", "1", "serve"] if cores else ["serve"]
+        elif cores:
+            env["SSD_JAX_CPUS"] = ",".join(map(str, cores))  # ssd_jax.xla_env pins it before JAX starts
+        cmd += ["--target", target, "--port", str(self.port), *flags, *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def wait_ready(self, timeout: float = 900) -> None:
         import httpx
@@ -151,7 +147,8 @@ class Server:
         self.log.close()
 
     def counters(self) -> dict[str, float]:
-        """The server's ``/metrics`` counters (label-free and per-label sums)."""
+        """The server's ``/metrics`` counters (label-free and per-label sums), and per batch bucket its
+        rounds (``rounds|B``) and the plan's predicted speedup (``plan|B``)."""
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -160,79 +157,24 @@ class Server:
             for s in fam.samples:
                 if s.name.endswith("_total"):
                     out[s.name] = out.get(s.name, 0.0) + s.value
+                if s.name == "ssd_jax:spec_decode_num_rounds_total":
+                    key = f"rounds|{s.labels['batch']}"
+                    out[key] = out.get(key, 0.0) + s.value
+                if s.name == "ssd_jax:plan_expected_speedup":
+                    out[f"plan|{s.labels['batch']}"] = s.value
         return out
 
 
 # --- the load
 
 
-async def _one(
-    client, url: str, model: str, prompt: str, max_tokens: int, t0: float, at: float, system: str | None
-) -> dict:
-    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-    start = time.perf_counter()
-    # as SDK-based benchmark clients send it: content as a list of parts, max_completion_tokens
-    messages = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
-    if system:
-        messages.insert(0, {"role": "system", "content": system})
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_completion_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
-    first, tokens, status = None, None, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        status = r.status_code
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ch = json.loads(line[6:])
-            if first is None and any((c.get("delta") or {}).get("content") for c in ch.get("choices") or []):
-                first = time.perf_counter()
-            if ch.get("usage"):
-                tokens = ch["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    ok = status == 200 and first is not None and tokens
-    return {
-        "status": status,
-        "ok": bool(ok),
-        "arrival": at,
-        "ttft": (first - start) if first else None,
-        "e2e": end - start,
-        "tokens": tokens,
-        "start": start - t0,
-        "end": end - t0,
-        "tpot": (end - first) / (tokens - 1) if ok and tokens > 1 else None,
-    }
+def level_name(level) -> str:
+    """A cell's load: a Poisson rate (a number, requests/s) or a fixed concurrency ("cN")."""
+    return f"concurrency {level[1:]}" if isinstance(level, str) else f"{level:g} req/s"
 
 
-async def run_load(
-    url: str,
-    model: str,
-    prompts: list[str],
-    arrivals: list[float],
-    max_tokens: int,
-    system: str | None = None,
-) -> list[dict]:
-    """Send ``prompts[i]`` at ``arrivals[i]`` (s from now), streamed, each after the shared ``system``
-    message if given; one record per request."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(arrivals) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        t0 = time.perf_counter()
-        return list(
-            await asyncio.gather(
-                *(
-                    _one(client, url, model, prompts[i % len(prompts)], max_tokens, t0, at, system)
-                    for i, at in enumerate(arrivals)
-                )
-            )
-        )
+def _level_key(level):
+    return (isinstance(level, str), float(level[1:]) if isinstance(level, str) else level)
 
 
 def cell_summary(reqs: list[dict], spans: list[tuple[float, int]]) -> dict:
@@ -257,12 +199,17 @@ def _ratio(before: dict, after: dict, num: str, den: str) -> float | None:
     return n / m if m else None
 
 
-def system_prompt(tokenizer, n: int) -> str:
-    """About ``n`` tokens of plain instructions (the built-in prose, repeated), cut at a token boundary."""
-    from ssd_jax.planning.calibration import CAL_TEXTS
-
-    text = "You are a careful assistant. Follow these notes. " + " ".join(CAL_TEXTS) * 8
-    return tokenizer.decode(tokenizer.encode(text)[:n])
+def predicted_speedup(before: dict, after: dict) -> float | None:
+    """The plan's predicted speedup over AR for a cell: each bucket's prediction weighted by the rounds
+    the server ran at that bucket during the cell (a server that runs every slot: its one prediction)."""
+    plans = {k.split("|")[1]: v for k, v in after.items() if k.startswith("plan|")}
+    rounds = {b: after.get(f"rounds|{b}", 0.0) - before.get(f"rounds|{b}", 0.0) for b in plans}
+    total = sum(rounds.values())
+    if not plans:
+        return None
+    if total <= 0:
+        return plans[max(plans, key=int)] if len(set(plans.values())) == 1 else None
+    return sum(plans[b] * n for b, n in rounds.items()) / total
 
 
 def _spec_acceptance(before: dict, after: dict) -> float | None:
@@ -303,6 +250,7 @@ def render(rows: list[dict], env: dict) -> str:
     acc: dict[tuple, list] = {}
     hits: dict[tuple, list] = {}
     prefix: dict[tuple, list] = {}
+    pred: dict[tuple, list] = {}
     preempt: dict[tuple, float] = {}
     per_rep: dict[tuple, dict] = {}  # (method, rate) -> {repeat: throughput}
     for r in rows:
@@ -319,6 +267,8 @@ def render(rows: list[dict], env: dict) -> str:
                 hits.setdefault(key, []).append(r["cache_hit_rate"])
             if r.get("prefix_hit_rate") is not None:
                 prefix.setdefault(key, []).append(r["prefix_hit_rate"])
+            if r.get("predicted") is not None:
+                pred.setdefault(key, []).append(r["predicted"])
             preempt[key] = preempt.get(key, 0.0) + r.get("preemptions", 0.0)
     lines = [
         f"# Serving benchmark: {env.get('target')}",
@@ -334,13 +284,15 @@ def render(rows: list[dict], env: dict) -> str:
         "vs ar: the mean over repeats of the throughput ratio to AR in the same repeat (the same arrivals "
         "and prompts) [95% t-interval]. "
         "TTFT = arrival to first token; TPOT = (end - first token) / (tokens - 1); percentiles over all "
-        "requests of the cell.",
+        "requests of the cell. Predicted: the server's start-up plan, its predicted decode speedup over AR "
+        "per batch bucket weighted by the rounds it ran there in the cell.",
         "",
-        "| rate (req/s) | method | requests (failed) | throughput tok/s [95% CI] | vs ar | TTFT p50 / p99 (s) "
-        "| TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | SSD cache hits | prefix hits | preempted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load | method | requests (failed) | throughput tok/s [95% CI] | vs ar | predicted "
+        "| TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p50 / p99 (s) | acceptance | SSD cache hits "
+        "| prefix hits | preempted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rates = sorted({k[1] for k in cells})
+    rates = sorted({k[1] for k in cells}, key=_level_key)
     methods = list(dict.fromkeys(r["method"] for r in runs))
     for rate in rates:
         base = per_rep.get(("ar", rate), {})
@@ -352,8 +304,8 @@ def render(rows: list[dict], env: dict) -> str:
             ratio = _paired_ratio(per_rep.get((m, rate), {}), base)
             a, h, px = acc.get((m, rate)), hits.get((m, rate)), prefix.get((m, rate))
             lines.append(
-                f"| {rate:g} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
-                f"| {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
+                f"| {level_name(rate)} | {m} | {s['requests']} ({s['failed']}) | {t[0]:.1f} [{t[1]:.1f}, {t[2]:.1f}] | {ratio} "
+                f"| {_avg(pred.get((m, rate)))}{'x' if pred.get((m, rate)) else ''} | {s['ttft']['p50']:.2f} / {s['ttft']['p99']:.2f} | {1e3 * s['tpot']['p50']:.0f} / "
                 f"{1e3 * s['tpot']['p99']:.0f} | {s['e2e']['p50']:.2f} / {s['e2e']['p99']:.2f} "
                 f"| {_avg(a)} | {_avg(h)} | {_avg(px)} | {preempt.get((m, rate), 0.0):.0f} |"
             )
@@ -377,6 +329,7 @@ def _env(a) -> dict:
         "target": a.target,
         "methods": a.methods,
         "rates": a.rates,
+        "concurrency": a.concurrency,
         "requests": a.requests,
         "repeats": a.repeats,
         "max_tokens": a.max_tokens,
@@ -384,6 +337,7 @@ def _env(a) -> dict:
         "server_args": a.server_args,
         "categories": a.categories,
         "system_tokens": a.system_tokens,
+        "cores_given": a.cores,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "cores": os.cpu_count(),
@@ -401,7 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=["ar", "sd:ngram:3"],
         help="ar | sd:ngram[:K] | sd:DRAFT[:K] | ssd:DRAFT[:K] (K: an integer or auto, the default)",
     )
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="requests per second")
+    p.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="requests per second")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        help="closed loops of this many clients (cells of their own)",
+    )
     p.add_argument("--requests", type=int, default=16, help="requests per (method, rate, repeat)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=48)
@@ -418,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="more flags for every server, one string (e.g. '--context-buckets 2 --prefill-chunk 32')",
     )
+    p.add_argument(
+        "--cores",
+        type=int,
+        nargs="+",
+        default=None,
+        help="hardware-fair runs: a one-process server may use the first of these cores only, a launched "
+        "one (a method with --launch) the first for its target and the second for its draft",
+    )
     p.add_argument("--out", required=True, help="results prefix: writes <out>.jsonl and <out>.md")
     p.add_argument("--report-only", action="store_true")
     return p
@@ -429,7 +398,10 @@ def _measure_cell(
     """One (method, rate, repeat) cell: the load on server ``s``, each request and the cell's totals
     appended to ``jsonl``."""
     before, load = s.counters(), os.getloadavg()[0]
-    reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens, system))
+    if isinstance(arrivals, int):
+        reqs = asyncio.run(run_closed(s.url, a.target, prompts, arrivals, a.max_tokens, system))
+    else:
+        reqs = asyncio.run(run_load(s.url, a.target, prompts, arrivals, a.max_tokens, system))
     after = s.counters()
     for i, r in enumerate(reqs):
         append_row(jsonl, {"kind": "request", "method": name, "rate": rate, "repeat": rep, "i": i, **r})
@@ -439,12 +411,13 @@ def _measure_cell(
     cell = {"kind": "load", "method": name, "rate": rate, "repeat": rep, "span": span, "tokens": tokens,
             "failed": len(reqs) - len(ok), "loadavg": load, "acceptance": _spec_acceptance(before, after),
             "cache_hit_rate": _ratio(before, after, "cache_hits", "cache_lookups"),
-            "prefix_hit_rate": _prefix_hits(before, after),
+            "prefix_hit_rate": _prefix_hits(before, after), "predicted": predicted_speedup(before, after),
             "preemptions": after.get("ssd_jax:num_preemptions_total", 0.0)
             - before.get("ssd_jax:num_preemptions_total", 0.0)}  # fmt: skip
     append_row(jsonl, cell)
     print(
-        f"rep {rep} rate {rate:g} {name}: {tokens / span:.1f} tok/s, {cell['failed']} failed", file=sys.stderr
+        f"rep {rep} {level_name(rate)} {name}: {tokens / span:.1f} tok/s, {cell['failed']} failed",
+        file=sys.stderr,
     )
 
 
@@ -478,8 +451,9 @@ def run(argv=None) -> int:
     servers = {}
     try:
         for m in methods:
+            cores = None if a.cores is None else (a.cores[:2] if m["launch"] else a.cores[:1])
             s = servers[m["name"]] = Server(
-                a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log"
+                a.target, m["flags"], extra, out.parent / f"{out.name}.{m['name']}.log", m["launch"], cores
             )
             s.wait_ready()  # one at a time: K auto calibrates on a quiet machine
         for name, s in servers.items():
@@ -508,7 +482,7 @@ def _prompts(a) -> list[str]:
     ``c * a.requests``, the same ones for every method, and the warm-up the last ``a.warmup``."""
     from ssd_jax.bench.protocol import category_prompts
 
-    cells = a.repeats * len(a.rates)
+    cells = a.repeats * len(_levels(a))
     per = -(-(cells * a.requests + a.warmup) // len(a.categories))
     per_cat = [[r["prompt"] for r in category_prompts(c, per)] for c in a.categories]
     prompts = [p for group in zip(*per_cat) for p in group]  # categories alternating
@@ -522,16 +496,24 @@ def _measure_cells(jsonl: Path, servers: dict[str, Server], a, prompts, system: 
     arrivals are seeded by (seed, repeat, rate), the same for every method."""
     names = list(servers)
     for rep in range(a.repeats):
-        for ri, rate in enumerate(a.rates):
-            arrivals = poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
+        for ri, rate in enumerate(_levels(a)):
+            arrivals = (
+                poisson_arrivals(rate, a.requests, a.seed + 1000 * rep + ri)
+                if not isinstance(rate, str)
+                else int(rate[1:])  # a closed loop of this many clients
+            )
             order = names[(rep + ri) % len(names) :] + names[: (rep + ri) % len(names)]
             for name in order:
                 if (name, rate, rep) in done:
                     continue
-                c = (rep * len(a.rates) + ri) * a.requests
+                c = (rep * len(_levels(a)) + ri) * a.requests
                 _measure_cell(
                     jsonl, servers[name], name, rate, rep, a, prompts[c : c + a.requests], arrivals, system
                 )
+
+
+def _levels(a) -> list:
+    return list(a.rates) + [f"c{n}" for n in a.concurrency]
 
 
 def _report(jsonl: Path, md: Path) -> int:

@@ -211,6 +211,14 @@ class BucketPlans:
     def k_for(self, bucket: int | None, alpha: float) -> int:
         return self.plan(bucket).k_for(bucket, alpha)
 
+    def expected(self) -> dict[int, float]:
+        """Each bucket's expected speedup over AR at the calibrated α (1.0 where it runs AR rounds)."""
+        out = {}
+        for b, p in self.plans:
+            k = p.choose(p.alpha)
+            out[b] = 1.0 if k == 0 else float(p.speedup(p.alpha, k))
+        return out
+
     def explore_k(self, bucket: int | None, alpha: float) -> int:
         return self.plan(bucket).explore_k(bucket, alpha)
 

@@ -103,7 +103,7 @@ def _serve(args) -> int:
     from ssd_jax.serve.app import build_app
 
     model = load_model(args.target, dtype=args.dtype)
-    spec, k_note = _planned(args, spec, model)
+    spec, k_note, plan = _planned(args, spec, model)
     draft = spec.draft if spec.method != "ar" and not isinstance(spec.draft, str) else None
     max_len = min(args.max_model_len, model.cfg.max_position_embeddings)
     if draft is not None:
@@ -111,6 +111,7 @@ def _serve(args) -> int:
     engine, metrics, method = _serving_engine(args, spec, model, max_len)
     if engine.channel is not None and not is_main():  # process 1: the same engine, stepped as process 0 says
         return _follow(engine)
+    _plan_gauges(metrics, spec, plan, method)
     name = args.served_model_name or str(args.target)
     k = 0 if spec.method == "ar" else int(spec.k)
     ssd = (
@@ -171,6 +172,30 @@ def _follow(engine) -> int:
     except (RuntimeError, OSError) as e:
         fail_fast(f"lost process 0 ({' '.join(str(e).split())[:200]})")
     return 0
+
+
+def _plan_gauges(metrics, spec, plan, method) -> None:
+    """``ssd_jax:plan_expected_speedup`` per batch bucket the method runs: SD's plan per bucket, SSD's
+    timed switch on one device, else the plan's one prediction (at --max-batch rows) for every bucket;
+    1 for AR rounds. Nothing where no prediction was made (a K given)."""
+    from ssd_jax.planning import BucketPlans, BucketSwitch
+
+    policy = spec.k_plan
+    if spec.method == "ar":
+        by_bucket = dict.fromkeys(method.buckets, 1.0)
+    elif isinstance(policy, BucketPlans):
+        by_bucket = policy.expected()
+    elif isinstance(policy, BucketSwitch) and getattr(method, "bucket_costs", None):
+        by_bucket = {
+            b: 1.0 if b in method.ar_buckets else c["expected_speedup"]
+            for b, c in method.bucket_costs.items()
+        }
+    elif plan.predicted and plan.predicted.get("expected_speedup") is not None:
+        by_bucket = dict.fromkeys(method.buckets, float(plan.predicted["expected_speedup"]))
+    else:
+        return
+    for b, x in by_bucket.items():
+        metrics.plan_speedup.labels(batch=str(b)).set(x)
 
 
 def _layout_note() -> str:
@@ -234,22 +259,25 @@ def _planned(args, spec, model):
     print(f"[serve] {plan.line()}", file=sys.stderr, flush=True)
     info, policy = plan.k_auto, spec.k_plan
     if spec.method == "ar" or info is None or "alpha" not in info:
-        return spec, "" if info is None else f" (auto: {info['source']})"
+        return spec, "" if info is None else f" (auto: {info['source']})", plan
     if isinstance(policy, BucketSwitch):  # the buckets' choice is made once the rounds are compiled and timed
         return (
             spec,
             f" (auto: alpha {info['alpha']:.2f}, {policy.tokens_per_round:.2f} tokens a round; {info['source']})",
+            plan,
         )
     if isinstance(policy, BucketPlans):
         return (
             spec,
             f" (auto: alpha {info['alpha']:.2f}; by running rows {policy.summary()}; {info['source']})",
+            plan,
         )
     expected = plan.predicted["expected_speedup"]
     if policy is not None and policy.k_for(None, policy.alpha) == 0:
         return (
             spec,
             f" (auto: alpha {info['alpha']:.2f}, K=0: AR rounds until acceptance pays; {info['source']})",
+            plan,
         )
     if expected < 1.0:
         print(
@@ -258,7 +286,7 @@ def _planned(args, spec, model):
             file=sys.stderr,
             flush=True,
         )
-    return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})"
+    return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})", plan
 
 
 def jax_process_count() -> int:

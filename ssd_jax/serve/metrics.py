@@ -61,6 +61,13 @@ class Metrics:
             ["k", "batch"],
             registry=r,
         )
+        self.plan_speedup = Gauge(
+            "ssd_jax:plan_expected_speedup",
+            "The start-up plan's predicted decode speedup over AR for rounds of each batch bucket (rows run); "
+            "1 where the bucket runs AR rounds",
+            ["batch"],
+            registry=r,
+        )
         self.prefix_queries = Counter(
             "ssd_jax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )

@@ -537,8 +537,7 @@ class SSD(Method):
             if not np.array_equal(sched, self.sched):  # new tables (uploaded with the next control vector)
                 self.sched, self.kb_tab, self.rb_tab = sched, kb_tab, rb_tab
                 self._ctrls.clear()
-        k = K if self.switch is not None else None
-        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=k)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=K)
 
     def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
         """The round's statistics: the fan-out estimators, the backup decision's means, hits, fallbacks."""
