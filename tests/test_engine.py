@@ -123,17 +123,21 @@ def test_a_seeded_row_ignores_its_batch(pair, method):
 # slow-set here (default-suite budget): by default test_serve's servers run buckets over HTTP, the paged and
 # server-path tests below run them too, and SSD's run in test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact
 @pytest.mark.parametrize(
-    "method", [pytest.param(m, marks=pytest.mark.slow) for m in ("ssd", "sd", "ar", "ngram")]
+    "method",
+    ["ssd-meshes-ngram"]
+    + [pytest.param(m, marks=pytest.mark.slow) for m in ("ssd", "sd", "ar", "ngram", "ssd-meshes-neural")],
 )
 def test_batch_buckets_run_the_running_rows_only(pair, method):
     """Four slots compiled for 1, 2 and 4 rows: as sequences end, rounds run the smallest bucket holding
     every running row, and each sequence still equals generate() of its prompt alone (AR's tokens); a
-    seeded sampled run gives the same tokens with and without buckets (each row's key is its own)."""
+    seeded sampled run gives the same tokens with and without buckets (each row's key is its own). SSD
+    on two meshes buckets its split rounds too (verify, tree build and lookup over the bucket's rows)."""
     target, draft = pair
+    make = {**SPECS, **MESH_SPECS}[method]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     lengths = [12, 3, 5, 9, 2]
     alone = [generate(target, [p], sp).outputs[0]["token_ids"] for p in PROMPTS]
-    engine = _engine(pair, SPECS[method](draft), sp, slots=4, batch_buckets=3)
+    engine = _engine(pair, make(draft), sp, slots=4, batch_buckets=3)
     assert engine.method.buckets == (1, 2, 4)
     seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
     engine.submit(seqs)
@@ -144,7 +148,7 @@ def test_batch_buckets_run_the_running_rows_only(pair, method):
     hot = dataclasses.replace(sp, temperature=1.0, top_k=20, seed=5)
     runs = []
     for buckets in (1, 3):
-        engine = _engine(pair, SPECS[method](draft), hot, slots=4, batch_buckets=buckets)
+        engine = _engine(pair, make(draft), hot, slots=4, batch_buckets=buckets)
         seqs = [Sequence(p, dataclasses.replace(hot, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
         engine.submit(seqs)
         engine.run()

@@ -247,13 +247,27 @@ def fused_slot_round(
     return pad_rows(out, active_B.shape[0]), sp, pm, tcache, dcache, rows
 
 
-def verify_slot(tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter, greedy=False):
-    """Target mesh: :func:`verify_round` over the slots. Returns (emitted, outcome, tcache, rows)."""
-    out, outcome, nxt, tcache, _ = verify_round(
-        tparams, tcache, rows.cur, spec, rows.steps, fold_in(rows.key_batch, 2), rows.rs, cfg=cfg,
+def _bucket_ctl(ctl: Control, ctrl, bucket: int | None):
+    """The control of a bucket's rows: the vector ends with the live flags, so its first part is theirs."""
+    if bucket is None:
+        return ctl, ctrl
+    ctl = dataclasses.replace(ctl, batch=bucket)
+    return ctl, ctrl[: ctl.size]
+
+
+def verify_slot(
+    tparams, tcache, rows, spec: Proposal, active_B, *, cfg, needs_filter, greedy=False, bucket=None
+):
+    """Target mesh: :func:`verify_round` over the slots (``bucket``, static: the first ``bucket`` only).
+    Returns (emitted (B, ...), the bucket's outcome, tcache, rows)."""
+    r, s, act = take_rows((rows, spec, active_B), bucket)
+    out, outcome, nxt, tc, _ = verify_round(
+        tparams, llama.bucket_view(tcache, bucket), r.cur, s, r.steps, fold_in(r.key_batch, 2), r.rs, cfg=cfg,
         needs_filter=needs_filter, greedy=greedy,
     )  # fmt: skip
-    return out, outcome, park(tcache, active_B), dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+    tcache = llama.bucket_merge(tcache, park(tc, act), bucket)
+    cur, steps = put_rows((rows.cur, rows.steps), (nxt, r.steps + 1), bucket)
+    return pad_rows(out, active_B.shape[0]), outcome, tcache, dataclasses.replace(rows, cur=cur, steps=steps)
 
 
 def sample_slot(logits, tcache, rows, spec: Proposal, active_B, *, needs_filter, greedy=False):
@@ -266,21 +280,49 @@ def sample_slot(logits, tcache, rows, spec: Proposal, active_B, *, needs_filter,
     return out, outcome, tcache, dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
 
 
-def build_slot(dparams, dcache, rows, sp: Proposal, pm, ctrl, *, cfg, opts: Opts, ctl: Control):
-    """Draft mesh: :func:`build_round` over the slots (the rows' cur and step, their draft keys)."""
-    return build_round(
-        dparams, dcache, rows.cur, sp, pm, rows.steps, fold_in(rows.key_batch, 1), rows.rs, ctrl, cfg=cfg,
-        opts=opts, ctl=ctl,
+def build_slot(dparams, dcache, rows, sp: Proposal, pm, ctrl, *, cfg, opts: Opts, ctl: Control, bucket=None):
+    """Draft mesh: :func:`build_round` over the slots (the rows' cur and step, their draft keys; ``bucket``:
+    the first ``bucket`` slots only). Returns (the bucket's tree, dcache)."""
+    r, s, p = take_rows((rows, sp, pm), bucket)
+    ctl, ctrl = _bucket_ctl(ctl, ctrl, bucket)
+    tree_, dc = build_round(
+        dparams, llama.bucket_view(dcache, bucket), r.cur, s, p, r.steps, fold_in(r.key_batch, 1), r.rs, ctrl,
+        cfg=cfg, opts=opts, ctl=ctl,
     )  # fmt: skip
+    return tree_, llama.bucket_merge(dcache, dc, bucket)
 
 
-def advance_slot(dparams, tree_, dcache, outcome, rows, ctrl, host_tokens, host_n, active_B, **kw):
-    """Draft mesh: :func:`advance_round` over the slots. Returns (sp, post-miss, meta, dcache, rows)."""
-    sp, pm, meta, dcache, nxt, _ = advance_round(
-        dparams, tree_, dcache, outcome, rows.limit, rows.steps, fold_in(rows.key_batch, 1), rows.rs, ctrl,
-        host_tokens, host_n, **kw,
+def advance_slot(
+    dparams,
+    tree_,
+    dcache,
+    outcome,
+    rows,
+    ctrl,
+    host_tokens,
+    host_n,
+    active_B,
+    sp,
+    pm,
+    *,
+    ctl,
+    bucket=None,
+    **kw,
+):
+    """Draft mesh: :func:`advance_round` over the slots (``bucket``: the first ``bucket`` only, the others'
+    speculations ``sp`` / ``pm`` kept). Returns (sp, post-miss, meta (B, 4), dcache, rows)."""
+    r, ht, hn, act = take_rows((rows, host_tokens, host_n, active_B), bucket)
+    ctl, ctrl = _bucket_ctl(ctl, ctrl, bucket)
+    s, p, meta, dc, nxt, _ = advance_round(
+        dparams, tree_, llama.bucket_view(dcache, bucket), outcome, r.limit, r.steps, fold_in(r.key_batch, 1),
+        r.rs, ctrl, ht, hn, ctl=ctl, **kw,
     )  # fmt: skip
-    return sp, pm, meta, park(dcache, active_B), dataclasses.replace(rows, cur=nxt, steps=rows.steps + 1)
+    if s.q is None and sp.q is not None:  # a greedy round: the speculations keep their q
+        s = dataclasses.replace(s, q=take_rows(sp.q, bucket))
+    dcache = llama.bucket_merge(dcache, park(dc, act), bucket)
+    cur, steps = put_rows((rows.cur, rows.steps), (nxt, r.steps + 1), bucket)
+    sp, pm = put_rows((sp, pm), (s, p), bucket)
+    return sp, pm, pad_rows(meta, active_B.shape[0]), dcache, dataclasses.replace(rows, cur=cur, steps=steps)
 
 
 def first_slot(dparams, dcache, rows, sp: Proposal, pm, slots_R, new, ctrl, *, cfg, opts, ctl, backup, whole):
@@ -330,19 +372,19 @@ def catch_up_slot(dparams, dcache, rows, sp: Proposal, pm, lag, lag_n, ctrl, *, 
 @functools.lru_cache(maxsize=64)
 def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None, bucket: int | None = None):
     """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
-    cache only: the draft's tree region lies past the context). ``bucket``: the fused rounds run the first
-    ``bucket`` slots only (the split rounds, admission and the n-gram path run every slot)."""
-    p, nf, g = functools.partial, opts.needs_filter, opts.greedy
+    cache only: the draft's tree region lies past the context). ``bucket``: the rounds, fused or split, run
+    the first ``bucket`` slots only (admission and the profiled stages run every slot)."""
+    p, nf, g, bk = functools.partial, opts.needs_filter, opts.greedy, bucket
     C = Compiled
     progs = {
-        "verify": C(windowed(p(verify_slot, cfg=tcfg, needs_filter=nf, greedy=g), window, (1,)), donate_argnums=(1,), name="verify"),
+        "verify": C(windowed(p(verify_slot, cfg=tcfg, needs_filter=nf, greedy=g, bucket=bk), window, (1,)), donate_argnums=(1,), name=f"verify_b{bk}"),
         "score": C(windowed(p(target_score, cfg=tcfg), window, (1,)), donate_argnums=(1,), name="score"),
         "sample": C(p(sample_slot, needs_filter=nf, greedy=g), name="sample"),
-        "build": C(p(build_slot, cfg=dcfg, opts=opts, ctl=ctl), donate_argnums=(1,), name="build"),
+        "build": C(p(build_slot, cfg=dcfg, opts=opts, ctl=ctl, bucket=bk), donate_argnums=(1,), name=f"build_b{bk}"),
     }  # fmt: skip
     for b in ("neural", "random", "host"):
-        fn = p(advance_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b)
-        progs[f"advance_{b}"] = C(fn, donate_argnums=(2,), name=f"advance_{b}")
+        fn = p(advance_slot, cfg=dcfg, opts=opts, ctl=ctl, backup=b, bucket=bk)
+        progs[f"advance_{b}"] = C(fn, donate_argnums=(2,), name=f"advance_{b}_b{bk}")
     for b in ("neural", "random"):
         fn = p(
             fused_slot_round,

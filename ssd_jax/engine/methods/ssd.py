@@ -99,8 +99,9 @@ class SSD(Method):
         self.fused = placement.single and not self.profiled
         # paged caches on one device per model (ssd_jax.decoding.ssd.paging)
         self.pageable = len(placement.target_devices) == 1 and len(placement.draft_devices) == 1
-        # batch buckets: the fused round (one device) runs the smallest bucket holding the running rows
-        self.bucketed = self.fused
+        # batch buckets: a round (fused on one device, or split over two meshes or processes) runs the
+        # smallest bucket holding the running rows; the profiled stages run every slot
+        self.bucketed = not self.profiled
         # auto on one device is the neural backup: the n-gram lookup needs the round's tokens on the host,
         # which splits the fused round into three calls over every slot and a host read (SmolLM2, one live
         # row in an 8-slot engine: 62-67 ms a token against 24-25 with the neural backup); the critical
@@ -181,7 +182,7 @@ class SSD(Method):
             for w in windows:
                 for kind in self.kinds:
                     self._forced = kind
-                    for b in self.buckets if self.fused and kind != "host" else (None,):
+                    for b in self.buckets:
                         self.read(self.dispatch(off, w, mode, b), off, off)
                         if self.switch is not None:  # its AR round and its return to speculation
                             self._forced_ar = True
@@ -436,7 +437,7 @@ class SSD(Method):
             self.drows = self.rows
             self.calls += 1
             return rnd
-        return self._dispatch_split(rnd, self._progs(mode, window), ctrl, live, active)
+        return self._dispatch_split(rnd, self._progs(mode, window, bucket), ctrl, live, active)
 
     def _dispatch_split(self, rnd, progs, ctrl, live, active) -> SSDRound:
         pl, tl, step = self.pl, self.tl, self.calls + 1
@@ -495,6 +496,7 @@ class SSD(Method):
         q = self.sp.q
         self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
             self.draft.params, lk.tree, self.dcache, outcome, self.drows, lk.ctrl, host_tok, host_n, lk.active_d,
+            self.sp, self.pm,
         )  # fmt: skip
         if self.sp.q is None and q is not None:  # a greedy round: the speculations keep their q
             self.sp = dataclasses.replace(self.sp, q=q)
