@@ -316,14 +316,14 @@ def test_ssd_greedy_rounds_skip_q_and_mixed_batches_stay_exact(pair):
     assert [mixed[0], mixed[2]] == ar and mixed[1] == alone
 
 
-def _ssd_switching(pair, draft, zero=(4,)):
+def _ssd_switching(pair, draft, zero=(4,), spec="ssd"):
     """Greedy SSD over 4 slots (buckets 1, 2, 4) with AR rounds at the ``zero`` buckets: (each row's
     tokens, AR's, the rounds by K, the acceptance of the speculative rounds)."""
     from ssd_jax.planning.policy import BucketSwitch
 
     target, _ = pair
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    spec = dataclasses.replace(SPECS["ssd"](draft), k_plan=BucketSwitch(2, 1.0, zero=zero))
+    spec = dataclasses.replace({**SPECS, **MESH_SPECS}[spec](draft), k_plan=BucketSwitch(2, 1.0, zero=zero))
     engine = _engine(pair, spec, sp, slots=4, batch_buckets=3)
     lengths = [24, 16, 10, 6, 12]
     seqs = [Sequence(p, dataclasses.replace(sp, max_new_tokens=n)) for p, n in zip(PROMPTS, lengths)]
@@ -337,13 +337,18 @@ def _ssd_switching(pair, draft, zero=(4,)):
     return [s.row.tokens for s in seqs], ar, dict(engine.method.k_rounds), acc
 
 
-def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair):
-    """SSD's K auto in a server on one device runs AR rounds (K = 0) at the buckets where its round cannot
-    pay (``BucketSwitch``, here fixed: bucket 4). Switching back and forth, greedy output equals AR's;
-    with the target as its own draft every proposal is accepted exactly when the catch-up (the idle
-    draft's missed tokens, then a fresh speculation) is right."""
+@pytest.mark.parametrize(
+    "spec", ["ssd", "ssd-meshes-ngram", pytest.param("ssd-meshes-neural", marks=pytest.mark.slow)]
+)
+def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair, spec):
+    """SSD's K auto in a server runs AR rounds (K = 0) at the buckets where its round cannot pay
+    (``BucketSwitch``, here fixed: bucket 4), on one device and on two meshes (where the target's AR
+    rounds run without the draft and what they emitted crosses to it before SSD's next round).
+    Switching back and forth, greedy output equals AR's; with the target as its own draft every
+    proposal is accepted exactly when the catch-up (the idle draft's missed tokens, then a fresh
+    speculation) is right."""
     target, draft = pair
-    got, ar, k_rounds, acc = _ssd_switching(pair, target)
+    got, ar, k_rounds, acc = _ssd_switching(pair, target, spec=spec)
     assert got == ar and k_rounds[0] > 0 and k_rounds[2] > 0 and acc > 0.97, (k_rounds, acc)
 
 

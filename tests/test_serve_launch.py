@@ -132,6 +132,7 @@ def test_a_killed_draft_process_fails_requests_and_ends_the_server(pair):
     pids = _pids(err)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     outcomes: list = []
+    streaming = threading.Event()
 
     def one(prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": 140, "temperature": 0, "stream": True}
@@ -141,6 +142,7 @@ def test_a_killed_draft_process_fails_requests_and_ends_the_server(pair):
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         last = json.loads(line[6:])
+                        streaming.set()
                 outcomes.append(("error" in (last or {}), (last or {}).get("error")))
         except httpx.HTTPError as e:  # the server went away mid-stream: also a failed request
             outcomes.append((True, str(e)))
@@ -148,7 +150,7 @@ def test_a_killed_draft_process_fails_requests_and_ends_the_server(pair):
     threads = [threading.Thread(target=one, args=(p,)) for p in PROMPTS[:6]]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    assert streaming.wait(60)
     import os
 
     os.kill(pids[1], signal.SIGKILL)  # process 1 (SSD's draft) dies mid-generation

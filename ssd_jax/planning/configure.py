@@ -137,7 +137,12 @@ def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False
         )
         if spec.backup in ("neural", "ngram"):  # the plan's miss path, process 0's
             spec = dataclasses.replace(spec, backup=("neural", "ngram")[agree(int(spec.backup == "ngram"))])
-        policy = None
+        if isinstance(policy, BucketSwitch):  # a server: process 0's tokens a round (the buckets' choice
+            tpr = agree(round(policy.tokens_per_round * 1e6)) / 1e6  # is agreed once timed)
+            policy = dataclasses.replace(policy, k=int(spec.k), tokens_per_round=tpr)
+        else:
+            policy = None
+        spec = dataclasses.replace(spec, k_plan=policy)
     spent = variant_s + (k_auto or {}).get("calibration_s", 0.0) + oh_s
     plan = _plan(spec, cal, k_auto, draft_auto, policy, spent, calibrator)
     return spec, plan
@@ -243,7 +248,7 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
             policy = BucketPlans(
                 tuple(_bucket_plan(calibrator, spec, draft, b, policy, rows, margin) for b in buckets)
             )
-    elif serving and extra and not two_meshes(spec):  # SSD's K and budget fix its tree: AR rounds or K
+    elif serving and extra:  # SSD's K and budget fix its tree: AR rounds or K, per bucket
         policy = BucketSwitch(int(k), float(best["tokens_per_round"]), cal.alpha, margin=SERVING_MARGIN)
     info = {
         **extra,

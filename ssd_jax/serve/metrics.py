@@ -61,13 +61,7 @@ class Metrics:
             ["k", "batch"],
             registry=r,
         )
-        self.plan_speedup = Gauge(
-            "ssd_jax:plan_expected_speedup",
-            "The start-up plan's predicted decode speedup over AR for rounds of each batch bucket (rows run); "
-            "1 where the bucket runs AR rounds",
-            ["batch"],
-            registry=r,
-        )
+        self.plan_speedup = _plan_gauge(r)
         self.prefix_queries = Counter(
             "ssd_jax:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
         )
@@ -136,3 +130,13 @@ class Metrics:
 
     def preempted(self) -> None:
         self.preemptions.inc()
+
+
+def _plan_gauge(registry) -> Gauge:
+    return Gauge(
+        "ssd_jax:plan_expected_speedup",
+        "The start-up plan's predicted decode speedup over AR for rounds of each batch bucket (rows run); "
+        "1 where the bucket runs AR rounds",
+        ["batch"],
+        registry=registry,
+    )

@@ -6,6 +6,7 @@ itself is the engine's (:mod:`ssd_jax.engine.methods.ssd`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -168,3 +169,30 @@ def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
         "ar_buckets": sorted(m.ar_buckets),
         "bucket_costs": {str(b): c for b, c in m.bucket_costs.items()},
     }
+
+
+def bucket_note(buckets, ar_buckets, costs: dict, k: int) -> str:
+    """A server's account of SSD's choice per batch bucket, e.g. " by running rows 1: K=1 1.12x, 8: K=0
+    (AR, 0.71x)" (the timed rounds' expected speedup over AR)."""
+    out = []
+    for b in buckets:
+        x = costs.get(b, {}).get("expected_speedup")
+        x = "" if x is None else f" {x:.2f}x"
+        out.append(f"{b}: K=0 (AR{',' if x else ''}{x})" if b in ar_buckets else f"{b}: K={k}{x}")
+    return " by running rows " + ", ".join(out)
+
+
+@dataclasses.dataclass
+class SSDStats:
+    """What SSD's host learns from its rounds: hits, tokens per round after hits and misses, fallbacks."""
+
+    batch: int
+    hits: np.ndarray = None
+    lookups: np.ndarray = None
+    tau: dict = dataclasses.field(default_factory=lambda: {"hit": [0, 0], "miss": [0, 0]})
+    batch_all_hit: list = dataclasses.field(default_factory=lambda: [0, 0])
+    fallback_calls: dict = dataclasses.field(default_factory=lambda: {"neural": 0, "ngram": 0, "random": 0})
+
+    def __post_init__(self):
+        self.hits = np.zeros(self.batch, np.int64)
+        self.lookups = np.zeros(self.batch, np.int64)

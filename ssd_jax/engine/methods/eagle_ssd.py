@@ -19,7 +19,8 @@ from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.eagle import SDEagle
-from ssd_jax.engine.methods.ssd import SSDRound, SSDStats
+from ssd_jax.decoding.ssd.host import SSDStats
+from ssd_jax.engine.methods.ssd import SSDRound
 from ssd_jax.sampling.logprobs import host_logprobs
 
 

@@ -17,6 +17,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
+from ssd_jax.decoding.ssd.host import SSDStats
 from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
@@ -62,22 +63,6 @@ class Lookup:
     step: int
 
 
-@dataclasses.dataclass
-class SSDStats:
-    """What SSD's host learns from its rounds: hits, tokens per round after hits and misses, fallbacks."""
-
-    batch: int
-    hits: np.ndarray = None
-    lookups: np.ndarray = None
-    tau: dict = dataclasses.field(default_factory=lambda: {"hit": [0, 0], "miss": [0, 0]})
-    batch_all_hit: list = dataclasses.field(default_factory=lambda: [0, 0])
-    fallback_calls: dict = dataclasses.field(default_factory=lambda: {"neural": 0, "ngram": 0, "random": 0})
-
-    def __post_init__(self):
-        self.hits = np.zeros(self.batch, np.int64)
-        self.lookups = np.zeros(self.batch, np.int64)
-
-
 class SSD(Method):
     name = "ssd"
     speculates = True
@@ -114,9 +99,9 @@ class SSD(Method):
         self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
         self.calls = 0
         self.b_star = None
-        # K auto in a server on one device: AR rounds (K = 0) at the buckets where SSD's round cannot pay
+        # K auto in a server: AR rounds (K = 0) at the buckets where SSD's round cannot pay
         plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) else None
-        self.switch = plan if self.fused and "host" not in self.kinds else None
+        self.switch = plan if not self.profiled else None
         self.ar_buckets: set[int] = set()
         self.bucket_costs: dict[int, dict] = {}
         self.k_rounds = {0: 0, K: 0}
@@ -225,31 +210,39 @@ class SSD(Method):
             }
             if not self.switch.speculates(b, t_round, t_ar):
                 self.ar_buckets.add(b)
+        if dist.multi_process():  # every process takes process 0's choice (each timed its own share)
+            mask = dist.agree(sum(1 << i for i, b in enumerate(self.buckets) if b in self.ar_buckets))
+            self.ar_buckets = {b for i, b in enumerate(self.buckets) if mask >> i & 1}
         self._catch_up(mode, self.buckets[-1])
 
     def bucket_note(self) -> str:
         """The start-up line's account of the AR buckets, e.g. "1: K=1 1.12x, 8: K=0 (AR, 0.71x)"."""
-        if self.switch is None:
-            return ""
-        out = []
-        for b in self.buckets:
-            x = self.bucket_costs.get(b, {}).get("expected_speedup")
-            x = "" if x is None else f" {x:.2f}x"
-            out.append(
-                f"{b}: K=0 (AR{',' if x else ''}{x})" if b in self.ar_buckets else f"{b}: K={self.K}{x}"
-            )
-        return " by running rows " + ", ".join(out)
+        return (
+            ""
+            if self.switch is None
+            else ssd_host.bucket_note(self.buckets, self.ar_buckets, self.bucket_costs, self.K)
+        )
 
     _forced_ar = False  # a warm-up or timing round: an AR round whatever the bucket
 
     def _catch_up(self, mode, bucket) -> None:
-        """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag."""
+        """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag
+        (on two meshes what the target ran without the draft, its tokens and rows' state, crosses first)."""
         prog = self._progs(mode, bucket=bucket, admission=True)["catch_up"]
-        self.sp, self.pm, self.dcache, self.lag_n = prog(
-            self.draft.params, self.dcache, self.rows, self.sp, self.pm, self.lag, self.lag_n,
-            self._ctrl(np.ones(self.B, bool)),
+        rows, lag, lag_n = self.rows, self.lag, self.lag_n
+        if not self.fused:
+            (lag, lag_n, cur, prev, steps), _ = self.pl.to_draft(
+                (lag, lag_n, rows.cur, rows.prev, rows.steps)
+            )
+            rows = self.drows = dataclasses.replace(self.drows, cur=cur, prev=prev, steps=steps)
+        self.sp, self.pm, self.dcache, lag_n = prog(
+            self.draft.params, self.dcache, rows, self.sp, self.pm, lag, lag_n, self._ctrl(np.ones(self.B, bool)),
         )  # fmt: skip
-        self.drows = self.rows
+        if self.fused:
+            self.lag_n, self.drows = lag_n, self.rows
+        else:
+            self.lag_n = self._reset_lag(self.lag_n, self.put(np.ones(self.B, bool)))
+            self.sp_t = ssd_host.spec_to_target(self.sp, self.pl)
         self.lag_rounds = 0
 
     def _ar_round(self, live, window, mode, bucket) -> SSDRound:
@@ -266,7 +259,11 @@ class SSD(Method):
             self.model.params, self.tcache, self.round_rows(mode), self._dummy_catch, self.active(live),
             self.lag, self.lag_n,
         )  # fmt: skip
-        self.rows = self.drows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
+        if self.fused:
+            self.drows = self.rows
+        else:  # a copy every process reads (the draft's is caught up before SSD's next round)
+            out = self.pl.to_draft(out)[1]
         self.lag_rounds += 1
         return SSDRound("ar", self.sched, out)
 
@@ -377,7 +374,7 @@ class SSD(Method):
         else:
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
         if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
-            self.lag_n = self._reset_lag(self.lag_n, dput(live))
+            self.lag_n = self._reset_lag(self.lag_n, self.put(live))
         self.meta_next[slots] = [0, self.first_kind != "neural", self.K, 1]
         first_h = pl.read(tok_all)
         if "host" in self.kinds:
@@ -517,6 +514,9 @@ class SSD(Method):
             out_h = pl.read(rnd.out)
             self.k_rounds[0] += 1
             self.meta_next[live & ~fresh] = [0, 0, K, 1]
+            if "host" in self.kinds:  # the n-gram backup's history gets the round's token
+                for b in np.flatnonzero(live):
+                    self.history[b] = np.append(self.history[b], out_h[b, :1].astype(np.int32))
             n = np.zeros(self.B, np.int64)
             return RoundOut(out_h[:, :1], n + 1, n, n > 0, logprobs=host_logprobs(out_h, 2, 1), k=0)
         self.k_rounds[K] += 1
