@@ -35,11 +35,12 @@ def pair(tmp_path_factory):
 
 
 def _launch(pair, *flags):
-    """(launcher process, base url, its stderr file) once /health answers."""
+    """(launcher process, base url, its stderr file) once /health answers (K = 2 unless ``flags`` say)."""
     port = free_port()
+    k = [] if "--k" in flags else ["--k", "2"]
     cmd = [
         sys.executable, "-m", "ssd_jax.launch", "--processes", "2", "--platform", "cpu", "serve",
-        "--target", pair[0], "--method", "ssd", "--draft", pair[1], "--k", "2", "--target-devices", "1",
+        "--target", pair[0], "--method", "ssd", "--draft", pair[1], *k, "--target-devices", "1",
         "--draft-devices", "1", "--max-batch", "4", "--max-model-len", "160", "--port", str(port), *flags,
     ]  # fmt: skip
     err = tempfile.NamedTemporaryFile("w+", suffix=".err")
@@ -163,3 +164,29 @@ def test_a_killed_draft_process_fails_requests_and_ends_the_server(pair):
     assert rc != 0 and "Traceback" not in log, log[-3000:]
     assert re.search(r"\[p0\] error: process 0: .*(engine failed|lost|stopped)", log), log[-3000:]
     assert not _alive(pids[0])
+
+
+def test_k_auto_under_the_launcher_serves_ar_rounds_where_ssd_cannot_pay(pair):
+    """K auto under the launcher: process 0's timed choice per bucket, agreed by process 1. On the tiny
+    random pair (acceptance about 0) every bucket runs AR rounds, the draft left out; concurrent greedy
+    requests still equal offline AR, and both processes end with 0."""
+    from ssd_jax import SamplingParams, generate, load_model
+
+    res = generate(load_model(pair[0]), PROMPTS[:3], SamplingParams(max_new_tokens=10))
+    proc, url, err = _launch(pair, "--k", "auto")
+    got: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: got.__setitem__(i, _complete(url, PROMPTS[i], 10)))
+        for i in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(3)] == [o["token_ids"] for o in res.outputs]
+    text = httpx.get(url + "/metrics").text
+    assert re.search(r'spec_decode_num_rounds_total\{batch="\d",k="0"\} [1-9]', text), text[-1500:]
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(90)
+    log = open(err.name).read()
+    assert rc == 0 and "by running rows 1: K=0 (AR" in log and "Traceback" not in log, log[-3000:]

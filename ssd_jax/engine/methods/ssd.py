@@ -346,9 +346,9 @@ class SSD(Method):
     def admit(self, chunks, new: Rows):
         pl, dput = self.pl, self.dput
         self._finish_open()  # the round in flight looks its outcome up before new rows' speculations land
-        if self.idle:
-            return super().admit(chunks, new)
         tok = self.admit_target(chunks, new)
+        if self.idle:  # the target alone; the first tokens read where every process can (across processes)
+            return pl.read(tok if pl.single else pl.to_draft(tok)[1]), self.first_logprobs()
         if self.fused:
             self.drows = self.rows
         for c in chunks:
