@@ -145,3 +145,23 @@ def use_persistent_cache() -> str | None:
     if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no minimum, no override
     return path
+
+
+def own_cache_folder(process_index: int) -> str | None:
+    """Process ``process_index`` > 0 of a ``jax.distributed`` run: a persistent-cache folder of its own,
+    which it writes. JAX writes cache entries from process 0 only (``jax/_src/compiler.py``, to keep
+    processes from contending for one folder's files), so the programs only another process compiles
+    (SSD's draft side, on process 1 under the launcher) were compiled again at every start: a launched
+    SSD server took 102 s to start where one process took 25 s. A folder per process removes the
+    contention; the writer check reads ``distributed.global_state.process_id``, which JAX otherwise uses
+    only when it creates the backend (done by now) and to share binaries of programs spanning
+    processes (off by default). Returns the folder (None: the cache is off)."""
+    path = jax.config.jax_compilation_cache_dir
+    if not path or os.environ.get(CACHE_ENV, "").strip().lower() in _OFF:
+        return None
+    from jax._src import distributed as jd
+
+    own = os.path.join(path, f"process-{process_index}")
+    jax.config.update("jax_compilation_cache_dir", own)
+    jd.global_state.process_id = 0  # this process writes its own folder
+    return own

@@ -72,6 +72,10 @@ def initialize() -> None:
         heartbeat_timeout_seconds=heartbeat,
         shutdown_timeout_seconds=int(env.get("SSD_JAX_SHUTDOWN_S", SHUTDOWN_S)),
     )
+    if jax.process_count() > 1 and jax.process_index() > 0:  # (the backend exists now: it knows its node)
+        from ssd_jax.compile import own_cache_folder
+
+        own_cache_folder(jax.process_index())
     if watch and jax.process_count() > 1:
         from jax._src import distributed as jd
 
