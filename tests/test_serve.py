@@ -572,7 +572,12 @@ def test_serving_benchmark_load(servers, tmp_path):
     s = sb.cell_summary(rows, [(span, 36)])
     assert s["requests"] == 6 and s["failed"] == 0 and s["throughput"][0] == pytest.approx(36 / span)
     assert s["ttft"]["p50"] <= s["ttft"]["p99"] and s["tpot"]["p50"] > 0
-    assert "| 20 | sd | 6 (0) |" in sb.render(rows, {"target": NAME})
+    assert "| 20 req/s | sd | 6 (0) |" in sb.render(rows, {"target": NAME})
+    # a closed loop of 2 clients: each sends its next prompt when its last request ends
+    closed = asyncio.run(sb.run_closed(servers["sd"], NAME, PROMPTS[:4], 2, 6))
+    assert len(closed) == 4 and all(r["ok"] and r["tokens"] == 6 for r in closed)
+    starts = sorted(r["start"] for r in closed)
+    assert starts[2] >= min(r["end"] for r in closed) - 1e-3  # the third waited for a first to end
 
 
 @pytest.mark.parametrize("stream", [False, True])
