@@ -490,13 +490,11 @@ class SSD(Method):
             )
             host_tok, host_n = self.dput(ng), self.dput(ng_n.astype(np.int32))
             tl.mark("ngram", self.hlane, round=step, start=a, end=time.perf_counter())
-        q = self.sp.q
+        # (a greedy round's speculations keep their q: advance_slot puts the new ones into sp)
         self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
             self.draft.params, lk.tree, self.dcache, outcome, self.drows, lk.ctrl, host_tok, host_n, lk.active_d,
             self.sp, self.pm,
         )  # fmt: skip
-        if self.sp.q is None and q is not None:  # a greedy round: the speculations keep their q
-            self.sp = dataclasses.replace(self.sp, q=q)
         tl.record("advance", self.dlane, self.sp.tokens, round=step)
         if pl.bridge is None:
             self.sp_t, rnd.meta = ssd_host.spec_to_target(self.sp, pl), meta
