@@ -1,6 +1,7 @@
 """Matmul forms (ssd_jax.models.forms): every storage layout and contraction order computes the
 same forward pass, the loader applies the layout exactly once, and shardings follow it."""
 
+import dataclasses
 import gc
 import json
 
@@ -184,3 +185,76 @@ def test_trimmed_draft_head_follows_the_stored_layout(tie):
         out.append(np.asarray(llama.logits(t.params, t.cfg, h)))
     np.testing.assert_allclose(out[0], out[1], rtol=1e-5, atol=1e-5)
     assert np.isneginf(out[1][:, 1]).all() and np.isfinite(out[1][:, ids]).all()
+
+
+def _timed(per_row_cost):
+    """A timing double: ``per_row_cost(form, M)`` seconds for every timed row count."""
+    from ssd_jax.models import form_timing as T
+
+    rows = (1, *T.VERIFY_ROWS)
+    return lambda shape, dtype: {
+        "shape": list(shape),
+        "rows": {str(m): {c: per_row_cost(c, m) for c in T.CANDIDATES} for m in rows},
+    }
+
+
+def _big_cfg():
+    return dataclasses.replace(_cfg(tie=False, bias=False), hidden_size=512, intermediate_size=1024, num_heads=8,
+                               num_kv_heads=1, head_dim=64, vocab_size=1024)  # fmt: skip
+
+
+def test_measured_forms_pick_xla_where_the_kernel_is_timed_slower(monkeypatch, tmp_path):
+    """The shipped table says "kernel" for the verify bucket; a machine where the kernel is timed slower
+    than XLA's dot (an AVX2 CPU with the old kernel: 5x one row at 5 rows) gets XLA's dot there, and a
+    machine where it is faster keeps it. Only roles at least MIN_BYTES big are measured."""
+    from ssd_jax.models import form_timing as T
+    from ssd_jax.models import kernels
+
+    monkeypatch.setenv("SSD_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    cfg = _big_cfg()
+    prior = F.from_table(F.load_table(), F.table_shapes(cfg))
+    assert prior.gate.orders[1] == "kernel"
+
+    slow_kernel = _timed(lambda c, m: {"right": 1.0 + 0.5 * m, "left": 2.0 * m, "kernel": 1.6 * m}[c])
+    got = T.refine(cfg, prior, timer=slow_kernel)
+    measured = [
+        r for t, s in F.table_shapes(cfg).items() if s[0] * s[1] * 4 >= T.MIN_BYTES for r in F.TABLE_ROLES[t]
+    ]
+    assert "gate" in measured and "k" not in measured  # 1024 x 512 measured, 64 x 512 not
+    for role in F.ROLES:
+        want = ("right", "right") if role in measured else getattr(prior, role).orders[:2]
+        assert getattr(got, role).orders[:2] == want, role
+        assert getattr(got, role).orders[2] == getattr(prior, role).orders[2]  # prefill: the table's
+
+    fast_kernel = _timed(lambda c, m: {"right": 1.0 + 0.5 * m, "left": 2.0 * m, "kernel": 0.9 + 0.05 * m}[c])
+    monkeypatch.setenv("SSD_JAX_CACHE", str(tmp_path / "other"))
+    got = T.refine(cfg, prior, timer=fast_kernel)
+    assert got.gate.orders[:2] == ("kernel", "kernel")
+    tie = _timed(lambda c, m: {"right": 1.0, "left": 1.0, "kernel": 0.99}[c])  # within the margin: XLA
+    assert T.choose(tie((512, 512), "float32")) == ("right", "right")
+
+
+def test_measured_forms_are_cached_per_build_and_skipped_on_request(monkeypatch, tmp_path):
+    from ssd_jax.models import form_timing as T
+    from ssd_jax.models import kernels
+
+    monkeypatch.setenv("SSD_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    calls = []
+
+    def timer(shape, dtype):
+        calls.append(shape)
+        return _timed(lambda c, m: {"right": 1.0, "left": 2.0, "kernel": 0.5}[c])(shape, dtype)
+
+    cfg = _big_cfg()
+    prior = F.from_table(F.load_table(), F.table_shapes(cfg))
+    first = T.refine(cfg, prior, timer=timer)
+    n = len(calls)
+    assert n and T.refine(cfg, prior, timer=timer) == first and len(calls) == n  # cached on disk
+    monkeypatch.setattr(kernels, "build_id", lambda: "another-build")
+    T.refine(cfg, prior, timer=timer)
+    assert len(calls) == 2 * n  # a new build is measured again
+    monkeypatch.setenv("SSD_JAX_FORMS", "table")
+    assert T.refine(cfg, prior, timer=timer) == prior and len(calls) == 2 * n
+    assert "verify kernel" in T.describe(first)

@@ -218,3 +218,38 @@ def test_programs_lowered_for_accelerators_never_contain_the_call():
     for platforms in (("cuda",), ("tpu",)):
         text = f.trace(x, w).lower(lowering_platforms=platforms).as_text()
         assert kernels.TARGET not in text and "dot_general" in text
+
+
+@pytest.mark.parametrize("isa", kernels.runnable_isas())
+def test_every_build_equals_the_dot_at_every_row_count(isa):
+    """Each build this machine can run (native; avx2, which reproduces an AVX2-only CPU on an AVX-512 one;
+    portable) equals XLA's float32 dot at M = 1..16 rows, with K not a multiple of any vector width and W
+    in float32 or bfloat16; and it targets what it is named for."""
+    v = kernels.variant(isa)
+    if isa == "avx2":
+        assert v.said.startswith("avx2 lanes=8 regs=16")
+    if isa == "native" and "avx512f" in kernels.cpu_flags():
+        assert v.said.startswith("avx512")
+    for n, k in ((37, 83), (130, 200)):
+        xs = [_rand((m, k), m) for m in range(1, 17)]
+        for dtype in (jnp.float32, jnp.bfloat16):
+            w = _rand((n, k), n + k).astype(dtype)
+            ys = jax.jit(lambda xs, w: [v.rows_matmul(x, w) for x in xs])(xs, w)
+            for x, y in zip(xs, ys):
+                _close(y, x @ w.astype(jnp.float32).T)
+
+
+def test_the_build_is_chosen_by_name_and_checked(monkeypatch):
+    monkeypatch.setenv(kernels.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="SSD_JAX_KERNEL_ISA"):
+        kernels.isa_wanted()
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.isa_wanted() == "avx2"
+    # a build that does not target what its name promises is refused (flags that did not reach the compiler)
+    with pytest.raises(RuntimeError, match="avx2 build targets"):
+        kernels._check_isa("avx2", "generic lanes=4 regs=16 rows=2x5")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    with pytest.raises(RuntimeError, match="native build targets"):
+        kernels._check_isa("native", "avx2 lanes=8 regs=16 rows=2x5")
+    kernels._check_isa("native", "avx512 lanes=16 regs=32 rows=3x8")
+    assert kernels.isa().split(":")[0] in kernels.ISAS

@@ -65,7 +65,7 @@ def baseline_kernel(rev: str):
     lib = tmp / "libbaseline.so"
     cmd = [
         kernels.compiler(),
-        *kernels.FLAG_SETS[0],
+        *kernels.ISAS[kernels.isa_wanted()][0],
         *kernels.BASE_FLAGS,
         f"-I{jax.ffi.include_dir()}",
         f"-I{tmp}",

@@ -11,10 +11,15 @@ cache (decode, verify, SSD tree steps), float32: every cached key / value read o
 query rows of its group, slots no query may see skipped (``experiments/results/attention_cpu.md``).
 
 Built by the project itself: on first use the sources are compiled together with ``g++`` (``$CXX`` if
-set; ``-O3 -march=native``, else ``-O3``) into ``~/.cache/ssd_jax/kernels/<hash>/`` (the hash
-covers the source, the compiler, the flags, jax's version and the CPU), under a file lock,
-written to a temporary name and renamed into place. ``make kernels`` builds it ahead of time.
-Set ``SSD_JAX_KERNELS=off`` to never build or call it. When it is off, the compiler is
+set) into ``~/.cache/ssd_jax/kernels/<hash>/`` (the hash covers the source, the compiler, the
+flags, jax's version and the CPU), under a file lock, written to a temporary name and renamed
+into place. ``make kernels`` builds it ahead of time. ``SSD_JAX_KERNEL_ISA`` picks the build
+(:data:`ISAS`): ``native`` (default: ``-O3 -march=native``, else ``-O3``), ``avx2`` (``-march=haswell``:
+AVX2 and FMA without AVX-512, which reproduces such a machine on an AVX-512 one) or ``portable``
+(``-O3`` alone: SSE2 on x86-64, NEON on ARM). The sources read the instruction set from the
+compiler's own macros and size their register blocking to it (``cpu.h``); a named build whose
+flags did not enable its instruction set fails to compile, and :func:`isa` reports what the
+loaded library targets. Set ``SSD_JAX_KERNELS=off`` to never build or call it. When it is off, the compiler is
 missing or the build fails, :func:`available` is False (with one warning line) and callers
 use the einsum. The call is wrapped in :func:`jax.lax.platform_dependent`, so a program
 lowered for another backend contains the einsum, never the custom call.
@@ -23,6 +28,7 @@ lowered for another backend contains the einsum, never the custom call.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -39,6 +45,11 @@ import numpy as np
 from ssd_jax.compile import cpu_tag
 
 ENV = "SSD_JAX_KERNELS"
+#: which build to load (see ISAS)
+ISA_ENV = "SSD_JAX_KERNEL_ISA"
+#: extra compiler flags for every build (e.g. ``-DSSD_JAX_ROWS_R=2 -DSSD_JAX_ROWS_MB=5`` to try another
+#: register blocking; part of the build key)
+FLAGS_ENV = "SSD_JAX_KERNEL_FLAGS"
 HERE = Path(__file__).parent
 #: compiled together into one library; HEADERS are hashed into the build key too
 SOURCES = (HERE / "rows_matmul.cc", HERE / "attention.cc")
@@ -57,8 +68,13 @@ TARGET_PAGED_ATTENTION = "ssd_jax_paged_attention"
 #: the attention kernel serves 1 <= T <= ATTENTION_MAX_T new tokens per row (decode, verify, SSD
 #: tree steps); longer blocks (prefill, training) keep the einsum
 ATTENTION_MAX_T = 64
-#: flag sets tried in order (the first that compiles wins)
-FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
+#: per build, the flag sets tried in order (the first that compiles wins); ``-DSSD_JAX_WANT_*`` makes
+#: cpu.h refuse flags that did not enable the instruction set the build is named for
+ISAS = {
+    "native": (("-O3", "-march=native"), ("-O3",)),
+    "avx2": (("-O3", "-march=haswell", "-mtune=generic", "-DSSD_JAX_WANT_AVX2"),),
+    "portable": (("-O3",),),
+}
 BASE_FLAGS = ("-std=c++17", "-fPIC", "-shared", "-w")
 #: the kernel is called for 1 <= rows <= MAX_ROWS (the verify bucket, ``forms.BUCKETS[1]``;
 #: measured faster than XLA's dot up to 16 rows, experiments/results/matmul_kernel_cpu.md)
@@ -68,6 +84,14 @@ MAX_ROWS = 16
 def enabled() -> bool:
     """False when ``SSD_JAX_KERNELS`` is off/0/false/no."""
     return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def isa_wanted() -> str:
+    """The build ``SSD_JAX_KERNEL_ISA`` names (default ``native``); ValueError for an unknown one."""
+    name = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if name not in ISAS:
+        raise ValueError(f"{ISA_ENV}={name!r}: want one of {', '.join(ISAS)}")
+    return name
 
 
 def compiler() -> str | None:
@@ -120,13 +144,19 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> str:
             os.unlink(tmp)
 
 
-def build(force: bool = False) -> Path:
-    """The compiled library's path, building it if needed; raises RuntimeError on failure."""
+def build(force: bool = False, isa: str | None = None) -> Path:
+    """The compiled library's path for build ``isa`` (default :func:`isa_wanted`), building it if
+    needed; raises RuntimeError on failure."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    isa = isa or isa_wanted()
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel build {isa!r}: want one of {', '.join(ISAS)}")
     errors = []
-    for flags in FLAG_SETS:
+    extra = tuple(os.environ.get(FLAGS_ENV, "").split())
+    for flags in ISAS[isa]:
+        flags = (*flags, *extra)
         d = cache_root() / _key(cxx, flags)
         lib = d / "libssd_jax_kernels.so"
         if lib.exists() and not force:
@@ -149,17 +179,56 @@ def build(force: bool = False) -> Path:
 
 
 _LOADED: list[Path] = []  # the library available() loaded (its directory names the build)
+_ISA: list[str] = []  # what it targets, as it says itself
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """What a loaded build targets, e.g. ``"avx2 lanes=8 regs=16 rows=4x2"`` (its vector ISA, floats per
+    register, registers planned for, and the matmul's block: weight rows x activation rows)."""
+    fn = lib.ssd_jax_kernels_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def _check_isa(name: str, said: str) -> None:
+    """A native build on a CPU with AVX-512 (or AVX2) that targets less was built with flags that did
+    not reach the compiler: refuse it rather than run a blocking planned for the wrong registers."""
+    if name == "avx2" and not said.startswith("avx2"):
+        raise RuntimeError(f"the avx2 build targets {said!r}")
+    if name == "native":
+        have = cpu_flags()
+        want = "avx512" if "avx512f" in have else "avx2" if {"avx2", "fma"} <= have else None
+        if want and not said.startswith(want):
+            raise RuntimeError(f"the native build targets {said!r} on a CPU with {want}")
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel can be called here (enabled, built, loaded, registered with XLA:CPU)."""
     _LOADED.clear()
+    _ISA.clear()
     if not enabled():
         return False
     try:
-        path = build()
+        name = isa_wanted()
+        if name == "avx2" and cpu_flags() and not {"avx2", "fma"} <= cpu_flags():
+            raise RuntimeError("this CPU has no AVX2 and FMA for the avx2 build")
+        path = build(isa=name)
         lib = ctypes.CDLL(str(path))
+        said = library_isa(lib)
+        _check_isa(name, said)
         for target, symbol in (
             (TARGET, SYMBOL),
             (TARGET_BF16, SYMBOL_BF16),
@@ -168,16 +237,73 @@ def available() -> bool:
         ):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
         _LOADED.append(path)
+        _ISA.append(f"{name}: {said}")
         return True
     except Exception as e:  # any failure means: use the einsum
         warnings.warn(f"ssd_jax CPU kernels unavailable, using XLA's dot and einsums ({e})", stacklevel=2)
         return False
 
 
+def runnable_isas() -> tuple[str, ...]:
+    """The builds this machine can run: native and portable everywhere, avx2 where the CPU has AVX2 and
+    FMA (on an AVX-512 machine it reproduces one without)."""
+    have = cpu_flags()
+    return ("native", *(("avx2",) if {"avx2", "fma"} <= have else ()), "portable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One build loaded beside the active one, its FFI targets registered under ``<target>_<isa>``, for
+    the benchmark and the tests that compare builds in one process."""
+
+    isa: str
+    said: str  # what it targets (:func:`library_isa`)
+    path: Path
+
+    def rows_matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """``x @ w.T`` (x (M, K) float32, w (N, K) float32 or bfloat16) by this build's kernel."""
+        target = (TARGET_BF16 if w.dtype == jnp.bfloat16 else TARGET) + "_" + self.isa
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+
+    def attention(self, q, k, v, mask, scale: float) -> jax.Array:
+        """:func:`attention` by this build's kernel (q (B, T, KVH, G, hd), k / v (Bc, Sc, KVH, hd))."""
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        return jax.ffi.ffi_call(f"{TARGET_ATTENTION}_{self.isa}", out, vmap_method="sequential")(
+            q, k, v, mask.astype(jnp.bool_), scale=np.float32(scale)
+        )
+
+
+@functools.cache
+def variant(isa: str) -> Variant:
+    """Build ``isa`` (see :data:`ISAS`), load it and register its targets under their ``_<isa>`` names;
+    RuntimeError where it cannot build or run here."""
+    if isa not in runnable_isas():
+        raise RuntimeError(f"this CPU cannot run the {isa} build")
+    path = build(isa=isa)
+    lib = ctypes.CDLL(str(path))
+    said = library_isa(lib)
+    _check_isa(isa, said)
+    for target, symbol in (
+        (TARGET, SYMBOL),
+        (TARGET_BF16, SYMBOL_BF16),
+        (TARGET_ATTENTION, SYMBOL_ATTENTION),
+    ):
+        jax.ffi.register_ffi_target(
+            f"{target}_{isa}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+        )
+    return Variant(isa, said, path)
+
+
 def build_id() -> str:
     """The loaded kernels' build key (a hash of their sources, compiler, flags, jax and CPU), or
     "off": measurements that depend on the kernels' speed (``--k auto``) are keyed by it."""
     return _LOADED[0].parent.name if available() and _LOADED else "off"
+
+
+def isa() -> str:
+    """The loaded build and what it targets, e.g. ``"avx2: avx2 lanes=8 regs=16 rows=4x2"``, or "off"."""
+    return _ISA[0] if available() and _ISA else "off"
 
 
 def _one_device(a: jax.Array) -> bool:

@@ -2,18 +2,23 @@
 // W is float32 ("ssd_jax_rows_matmul") or bfloat16 ("ssd_jax_rows_matmul_bf16": half the bytes
 // to stream, widened to float32 in registers; the products and sums stay float32).
 //
-// Built by ssd_jax/models/kernels/__init__.py with g++ (-O3 -march=native when the compiler
-// accepts it) and called through the XLA FFI (jax.ffi.ffi_call "ssd_jax_rows_matmul").
-// Every element of W is read from memory once: a block of 4 rows of W is contracted with all
-// M rows of x while it sits in cache (x is small: M <= 16 rows). The N axis is cut into
-// chunks that the calling thread and XLA's own intra-op thread pool claim from a shared
-// counter, so the kernel never runs more threads than XLA has and cannot deadlock if the
-// pool is busy (the caller then does every chunk itself).
+// Built by ssd_jax/models/kernels/__init__.py with g++ (one build per instruction set: native,
+// AVX2-only, portable) and called through the XLA FFI (jax.ffi.ffi_call "ssd_jax_rows_matmul").
+// Every element of W is read from memory once at any row count: a block of kR rows of W is
+// contracted with all M rows of x while it sits in cache (x is small: M <= 16 rows), kMB rows of x
+// at a time. kR and kMB follow the target's vector registers (cpu.h): the kMB x kR accumulators plus
+// the kR weight vectors and one x vector must fit in them, or the compiler spills the accumulators
+// and the kernel turns compute-bound, its time linear in the rows (issue 54: 16-float vectors in a
+// 6 x 4 block on AVX2's 16 registers cost 5x one row at 5 rows). The N axis is cut into chunks that
+// the calling thread and XLA's own intra-op thread pool claim from a shared counter, so the kernel
+// never runs more threads than XLA has and cannot deadlock if the pool is busy (the caller then
+// does every chunk itself).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "cpu.h"
@@ -23,19 +28,45 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using ssd_jax_kernels::kLanes;
+using ssd_jax_kernels::kRegs;
+using ssd_jax_kernels::vf;
 
-using ssd_jax_kernels::load16;
-using ssd_jax_kernels::v16;
+// kR rows of W per block; kMB rows of x per pass over it (override with -DSSD_JAX_ROWS_R / _MB): kMB x kR
+// accumulators, kR weight vectors and one x vector in the registers. Measured (issue 54, 2-core EPYC,
+// SmolLM2 and Qwen2.5-1.5B shapes, M = 1..16): on 16 registers 2 x 5 (13 registers) beat 4 x 2, 3 x 3,
+// 3 x 4 and 1 x 10, and one pass at M = 5 (the K = 4 verify) costs about one row's time; on 32 registers
+// 3 x 8 (28) matched 4 x 6 up to M = 5 and cost 0.6x it at M = 8 (one pass instead of two).
+#ifdef SSD_JAX_ROWS_R
+constexpr int kR = SSD_JAX_ROWS_R;
+#else
+constexpr int kR = kRegs >= 32 ? 3 : 2;
+#endif
+#ifdef SSD_JAX_ROWS_MB
+constexpr int kMB = SSD_JAX_ROWS_MB;
+#else
+constexpr int kMB = kRegs >= 32 ? 8 : 5;
+#endif
+#if !defined(SSD_JAX_ROWS_R) && !defined(SSD_JAX_ROWS_MB)
+static_assert(kMB * kR + kR + 1 <= kRegs, "the register block does not fit the target's registers");
+#endif
+static_assert(kMB >= 1 && kMB <= 12 && kR >= 1 && kR <= 8, "register blocking out of range");
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16v __attribute__((vector_size(2 * SSD_JAX_LANES)));
+typedef uint32_t u32v __attribute__((vector_size(4 * SSD_JAX_LANES)));
 
-// 16 bfloat16 values widened to float32: a bfloat16 is the top half of a float32's bits.
-inline v16 load16(const uint16_t* p) {
-  u16x16 h;
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// kLanes bfloat16 values widened to float32: a bfloat16 is the top half of a float32's bits.
+inline vf loadv(const uint16_t* p) {
+  u16v h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 wide = __builtin_convertvector(h, u32x16) << 16;
-  v16 v;
+  const u32v wide = __builtin_convertvector(h, u32v) << 16;
+  vf v;
   std::memcpy(&v, &wide, sizeof(v));
   return v;
 }
@@ -48,77 +79,80 @@ inline float widen(uint16_t w) {
   return f;
 }
 
-inline float hsum(v16 v) {
+inline float hsum(vf v) {
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 }
 
-// R rows of W (w, stride K) against MB rows of x (x, stride K): out[m * ldy + r] = dot.
-// pf (or null): the next block of R rows, prefetched while this one is read. The hardware
-// prefetcher alone follows R short row streams poorly; with this the kernel streams W
-// near memory speed (measured: 1 block ahead into L2 beat 2 blocks, L1, and no prefetch).
+// The slice [k0, k0 + L) of R rows of W (w: row stride K) against MB rows of x (x: row stride K):
+// y[m * ldy + r] = (add ? y[m * ldy + r] : 0) + dot. L is a multiple of kLanes except in the last slice
+// of K (its scalar tail). pf (or null): the same slice of the next block of R rows, prefetched while
+// this one is read. The hardware prefetcher alone follows R short row streams poorly; with this the
+// kernel streams W near memory speed (measured: 1 block ahead into L2 beat 2 blocks, L1, and no
+// prefetch).
 template <int R, int MB, typename W>
-inline void micro(const W* w, const float* x, int64_t K, float* y, int64_t ldy, const W* pf) {
-  v16 acc[MB][R];
+inline void micro(const W* w, const float* x, int64_t K, int64_t L, float* y, int64_t ldy, const W* pf, bool add) {
+  vf acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = v16{};
-  const int64_t K16 = K & ~int64_t(15);
-  for (int64_t k = 0; k < K16; k += 16) {
-    v16 wv[R];
-    if (pf) {  // the next block of W rows (contiguous after this one), into L2
-      // the next block's 16 * R values a step: R cache lines of float32, R / 2 of bfloat16
-      constexpr int kLine = 64 / sizeof(W), kLines = (16 * R + kLine - 1) / kLine;
-      for (int j = 0; j < kLines; ++j) __builtin_prefetch(pf + R * k + kLine * j, 0, 2);
-    }
-    for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
+    for (int r = 0; r < R; ++r) acc[m][r] = vf{};
+  const int64_t Lv = L - L % kLanes;
+  constexpr int kLine = 64 / sizeof(W);  // W values per cache line
+  for (int64_t k = 0; k < Lv; k += kLanes) {
+    vf wv[R];
+    if (pf && k % kLine == 0)  // one line of each of the next block's rows, into L2
+      for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * K + k, 0, 2);
+    for (int r = 0; r < R; ++r) wv[r] = loadv(w + r * K + k);
     for (int m = 0; m < MB; ++m) {
-      const v16 xv = load16(x + m * K + k);
+      const vf xv = loadv(x + m * K + k);
       for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
     }
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float s = hsum(acc[m][r]);
-      for (int64_t k = K16; k < K; ++k) s += x[m * K + k] * widen(w[r * K + k]);
-      y[m * ldy + r] = s;
+      for (int64_t k = Lv; k < L; ++k) s += x[m * K + k] * widen(w[r * K + k]);
+      y[m * ldy + r] = add ? y[m * ldy + r] + s : s;
     }
 }
 
-// R rows of W against mb <= 6 rows of x.
+// R rows of W against mb <= kMB rows of x.
 template <int R, typename W>
-inline void group(const W* w, const float* x, int64_t mb, int64_t K, float* y, int64_t N, const W* pf) {
+inline void group(const W* w, const float* x, int64_t mb, int64_t K, int64_t L, float* y, int64_t N, const W* pf,
+                  bool add) {
   switch (mb) {
-#define SSD_CASE(n) \
-  case n: micro<R, n, W>(w, x, K, y, N, pf); break;
+#define SSD_CASE(n)                                                      \
+  case n:                                                                \
+    if constexpr (n <= kMB) micro<R, n, W>(w, x, K, L, y, N, pf, add); \
+    break;
+    SSD_CASE(12) SSD_CASE(11) SSD_CASE(10) SSD_CASE(9) SSD_CASE(8) SSD_CASE(7)
     SSD_CASE(6) SSD_CASE(5) SSD_CASE(4) SSD_CASE(3) SSD_CASE(2)
 #undef SSD_CASE
-    default: micro<R, 1, W>(w, x, K, y, N, pf); break;
+    default: micro<R, 1, W>(w, x, K, L, y, N, pf, add); break;
   }
 }
 
-// R <= 4 rows of W against all M rows of x, in near-equal groups of at most 6 rows of x
-// (4 x 6 accumulators plus 4 weight vectors and one x vector fit the 32 vector registers of
-// AVX-512). The first group streams the block of W from memory, later groups (M > 6) find it
-// in L1. (Measured: 2 rows of W with up to 12 rows of x per pass was slower.)
+// A slice of K of R <= kR rows of W against all M rows of x, in near-equal groups of at most kMB rows
+// of x. The first group streams the block of W from memory, later groups find it in L1.
 template <int R, typename W>
-inline void rows_block(const W* w, const float* x, int64_t M, int64_t K, float* y, int64_t N, const W* pf) {
-  constexpr int64_t kMaxMB = 6;
-  const int64_t groups = (M + kMaxMB - 1) / kMaxMB;
+inline void rows_block(const W* w, const float* x, int64_t M, int64_t K, int64_t L, float* y, int64_t N,
+                       const W* pf, bool add) {
+  const int64_t groups = (M + kMB - 1) / kMB;
   for (int64_t g = 0, m = 0; g < groups; ++g) {
     const int64_t mb = (M - m) / (groups - g);
-    group<R, W>(w, x + m * K, mb, K, y + m * N, N, g == 0 ? pf : nullptr);
+    group<R, W>(w, x + m * K, mb, K, L, y + m * N, N, g == 0 ? pf : nullptr, add);
     m += mb;
   }
 }
 
-// Output rows [n0, n1) of W.
+// Output rows [n0, n1) of W. (Measured, issue 54: cutting K into slices so that x stays in L1 made
+// every shape slower, since W's rows were then read in pieces instead of streamed whole.)
 template <typename W>
 void rows_range(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4)
-    rows_block<4, W>(w + n * K, x, M, K, y + n, N, n + 8 <= n1 ? w + (n + 4) * K : nullptr);
-  for (; n < n1; ++n) rows_block<1, W>(w + n * K, x, M, K, y + n, N, nullptr);
+  for (; n + kR <= n1; n += kR)
+    rows_block<kR, W>(w + n * K, x, M, K, K, y + n, N, n + 2 * kR <= n1 ? w + (n + kR) * K : nullptr, false);
+  for (; n < n1; ++n) rows_block<1, W>(w + n * K, x, M, K, K, y + n, N, nullptr, false);
 }
 
 
@@ -159,12 +193,11 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   // --xla_force_host_platform_device_count (8 on 2 cores in the tests): never use more
   // threads than the cores this process may run on.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), ssd_jax_kernels::usable_cores()));
-  // About 4 chunks per thread (load balance on a shared machine), each a multiple of 4 rows
+  // About 4 chunks per thread (load balance on a shared machine), each a multiple of kR rows
   // and at least 64 KiB of W (so the scheduling cost stays small for the narrow matrices).
-  const int64_t min_rows =
-      std::max<int64_t>(4, (((65536 / int64_t(sizeof(W))) / std::max<int64_t>(K, 1)) + 3) & ~int64_t(3));
-  int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
-  chunk = std::max(min_rows, (chunk + 3) & ~int64_t(3));
+  auto round_up = [](int64_t v) { return (v + kR - 1) / kR * kR; };
+  const int64_t min_rows = round_up(std::max<int64_t>(4, (65536 / int64_t(sizeof(W))) / std::max<int64_t>(K, 1)));
+  const int64_t chunk = std::max(min_rows, round_up((N + 4 * threads - 1) / (4 * threads)));
   work->chunk = chunk;
   work->chunks = (N + chunk - 1) / chunk;
   const int64_t helpers = std::min(threads, work->chunks) - 1;
@@ -201,3 +234,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxRowsMatmulBF16, RowsMatmulBF16,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// What this build targets, for the loader's check and the benchmark's records.
+extern "C" const char* ssd_jax_kernels_isa() {
+  static const std::string s = std::string(SSD_JAX_ISA) + " lanes=" + std::to_string(kLanes) +
+                               " regs=" + std::to_string(kRegs) + " rows=" + std::to_string(kR) + "x" +
+                               std::to_string(kMB);
+  return s.c_str();
+}
