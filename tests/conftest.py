@@ -157,6 +157,17 @@ def ar_ref(pair):
     return _ids(generate(pair[0], PROMPTS, SamplingParams(max_new_tokens=20, ignore_eos=True)))
 
 
+@pytest.fixture
+def speculating(monkeypatch):
+    """K auto speculates whatever its prediction, for the tests of a speculating run's plan: offline, a plan
+    runs AR rounds where nothing is predicted to beat AR by more than the planner's error, and SSD on the
+    tiny pair (a random draft, a round's fixed cost several decode steps) is priced far below AR."""
+    import importlib
+
+    configure = importlib.import_module("ssd_jax.planning.configure")
+    monkeypatch.setattr(configure, "beats_ar", lambda speedup, margin=0.0: True)
+
+
 @pytest.fixture(scope="module")
 def small_pair():
     """Vocabulary-16 pair for the statistical tests: a peaky target and a flatter draft with the same

@@ -11,16 +11,28 @@ def _res(tokens, **m):
     return {"outputs": [{"token_ids": tokens, "text": "x"}], "metrics": {**base, **m}}
 
 
-def test_the_table_says_which_methods_match_ar():
+def test_the_table_says_which_methods_match_ar_and_what_each_plan_chose():
+    sd_plan = {"chosen": {"k": 3}, "choice": "sd K=3 (predicted 1.40x)"}
+    declined = {"chosen": {"k": 1, "ar_rounds": True}, "choice": "AR rounds (predicted 0.59x)"}
     rows = demo.table(
         {
             "ar": _res([1, 2, 3]),
-            "sd": _res([1, 2, 3], draft="d", acceptance_rate=0.5),
+            "sd": _res([1, 2, 3], draft="d", acceptance_rate=0.5, plan=sd_plan),
             "ssd": _res([1, 2, 4], draft="d", acceptance_rate=0.25, cache_hit_rate=0.75),
+            "ssd-declined": _res(
+                [1, 2, 3], draft="d", acceptance_rate=0.0, cache_hit_rate=0.0, plan=declined
+            ),
         }
     ).splitlines()
-    assert rows[2].startswith("| ar | - | 10.0 | 8.0 | - | - | - |")
-    assert rows[3].endswith("| 0.50 | - | yes |") and rows[4].endswith("| 0.25 | 0.75 | NO |")
+    assert rows[0].startswith("| method | draft | plan |")
+    assert rows[2].startswith("| ar | - | - | 10.0 | 8.0 | - | - | - |")
+    assert rows[3].startswith("| sd | d | sd K=3 (predicted 1.40x) |") and rows[3].endswith(
+        "| 0.50 | - | yes |"
+    )
+    assert rows[4].endswith("| 0.25 | 0.75 | NO |")
+    # a plan that ran AR rounds: its choice and reason; nothing proposed, so no acceptance or hit rate
+    assert rows[5].startswith("| ssd-declined | d | AR rounds (predicted 0.59x) |")
+    assert rows[5].endswith("| - | - | yes |")
 
 
 def test_ssd_runs_its_draft_in_a_process_of_its_own(monkeypatch):

@@ -122,11 +122,16 @@ def test_training_lowers_the_loss_and_raises_acceptance(target, tmp_path):
     assert sd.metrics["acceptance_rate"] > 0.25, sd.metrics["acceptance_rate"]
 
 
-def _saved_head(tmp_path, target, head, spec, vocab_ids=None, name="head"):
+def _saved_head(tmp_path, target, head, spec, vocab_ids=None, name="head", **extra):
     from ssd_jax.training.eagle_train import save_head
 
     path = tmp_path / f"{name}.safetensors"
-    meta = {"layers": list(spec.layers), "target_sha256": target.weights_sha256, "target": target.name}
+    meta = {
+        "layers": list(spec.layers),
+        "target_sha256": target.weights_sha256,
+        "target": target.name,
+        **extra,
+    }
     save_head(path, head, meta, vocab_ids=vocab_ids)
     return f"eagle:{path}"
 
@@ -302,6 +307,49 @@ def test_k_auto_for_a_head_follows_its_acceptance_curve(target, tmp_path, monkey
     strong, info = choose_head_k(target, head, {"acceptance_by_position": [0.97, 0.95, 0.93, 0.9]}, 1)
     weak, info2 = choose_head_k(target, head, {"acceptance_by_position": [0.3, 0.03, 0.003, 0.0003]}, 1)
     assert strong > weak >= 1, (info["expected_speedup_by_k"], info2["expected_speedup_by_k"])
+
+
+def test_k_auto_runs_ar_rounds_where_a_head_cannot_pay(target, tmp_path, monkeypatch):
+    """Offline, K auto with a head (SD or SSD) whose best K is not predicted to beat AR by more than the
+    planner's error runs the target's AR rounds (the head's K is fixed: no AR rounds of its own): greedy
+    equals AR, the plan says why. An explicit K speculates whatever the costs; costs where the head pays:
+    K auto speculates."""
+    from ssd_jax import SamplingParams, SpecConfig, generate
+    from ssd_jax.planning import head_model
+    from ssd_jax.planning.records import Calibration, Costs
+
+    cfg = target.cfg
+    spec = eagle.HeadSpec(eagle.default_layers(cfg.num_layers))
+    curve = [0.97, 0.95, 0.93, 0.9]
+    draft = _saved_head(tmp_path, target, eagle.init_head(cfg, spec), spec, acceptance_by_position=curve)
+    prompts, sp = [[3, 17, 29, 3, 17], [77]], SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = [o["token_ids"] for o in generate(target, prompts, sp).outputs]
+
+    def priced(verify: float):  # the target's costs: a step 1 s, a verify of K + 1 tokens ``verify`` s
+        fixed = Calibration(
+            0.0, "none", Costs(1.0, {1: verify, 8: verify}), source="cache", path=tmp_path / "c"
+        )
+        monkeypatch.setattr(head_model.Calibrator, "target_costs", lambda self, batch: fixed)
+
+    def drafted(res):
+        return sum(o["metrics"]["drafted"] for o in res.outputs)
+
+    priced(6.0)  # nothing pays
+    for method in ("sd", "ssd"):
+        res = generate(target, prompts, sp, SpecConfig(method=method, draft=draft))
+        m, plan = res.metrics, res.metrics["plan"]
+        assert [o["token_ids"] for o in res.outputs] == ar and res.method == method
+        assert (
+            plan["chosen"]["ar_rounds"] and plan["predicted"]["best_speculation"]["expected_speedup"] < 1.12
+        )
+        assert plan["line"].startswith(f"plan: {method} AR rounds: the best speculation (K=")
+        assert m["k_rounds"] == {"0": m["verify_steps"]} and drafted(res) == 0
+    given = generate(target, prompts, sp, SpecConfig(method="sd", draft=draft, k=2))
+    assert [o["token_ids"] for o in given.outputs] == ar and drafted(given) > 0
+    priced(1.0)  # a verify as cheap as a step: the head pays
+    res = generate(target, prompts, sp, SpecConfig(method="sd", draft=draft))
+    assert [o["token_ids"] for o in res.outputs] == ar and drafted(res) > 0
+    assert "ar_rounds" not in res.metrics["plan"]["chosen"]
 
 
 def test_scored_positions_weigh_prompts_and_skip_padding():

@@ -285,3 +285,94 @@ def test_a_server_speculates_only_beyond_the_models_error():
     switch = BucketSwitch(3, 2.0, 0.6, margin=0.12)
     assert switch.speculates(4, t_round=1.7, t_ar=1.0) and not switch.speculates(4, t_round=1.9, t_ar=1.0)
     assert BucketSwitch(3, 2.0, 0.6).speculates(4, t_round=1.9, t_ar=1.0)
+
+
+def _priced(monkeypatch, pays: bool):
+    """A calibration double: each record as measured (SSD's simulated hits come from its ranks), its α and
+    costs replaced, in seconds of a 1 s decode step (SSD's measured fixed cost a round, milliseconds, is then
+    nothing). ``pays``: α 1, a verify as cheap as a step, a free draft; else α 0 and a verify of 5 steps, so
+    that every configuration is priced below AR."""
+    import dataclasses
+
+    from ssd_jax.planning.records import Calibrator
+
+    real = Calibrator.record
+
+    def record(self, spec, draft, batch):
+        cal = real(self, spec, draft, batch)
+        c, verify = cal.costs, 1.0 if pays else 5.0
+        rows = None if c.t_draft_rows is None else dict.fromkeys(c.t_draft_rows, 0.0)
+        costs = dataclasses.replace(
+            c, t_ar=1.0, t_verify=dict.fromkeys(c.t_verify, verify), t_draft_step=0.0, c_round=0.0,
+            t_draft_rows=rows, t_build=None,
+        )  # fmt: skip
+        return dataclasses.replace(cal, alpha=1.0 if pays else 0.0, costs=costs)
+
+    monkeypatch.setattr(Calibrator, "record", record)
+
+
+def _drafted(res) -> int:
+    return sum(o["metrics"]["drafted"] for o in res.outputs)
+
+
+@pytest.mark.parametrize("method", ["sd", "ssd"])
+def test_k_auto_runs_ar_rounds_where_nothing_pays(pair, ar_ref, monkeypatch, method):
+    """Offline, K auto runs AR rounds where no configuration is predicted to beat AR by more than the
+    planner's error (policy.SERVING_MARGIN): SD on one device through its K plan (K = 0 rounds, the draft
+    idle), SSD through its switch with every bucket AR (the draft idle). Greedy output equals AR's, the
+    plan says why, the metrics count rounds that proposed nothing. The control: costs where speculation
+    pays (the target as SSD's own draft, so that its simulated tree hits), and it speculates; an explicit
+    K speculates whatever the costs."""
+    target, draft = pair
+    backup = {"backup": "neural"} if method == "ssd" else {}
+    _priced(monkeypatch, pays=False)
+    res = generate(target, PROMPTS, SP, SpecConfig(method=method, draft=draft, **backup))
+    m, plan = res.metrics, res.metrics["plan"]
+    assert _ids(res) == ar_ref and res.method == method
+    best = plan["predicted"]["best_speculation"]
+    assert plan["chosen"]["ar_rounds"] and best["expected_speedup"] < 1.0 + plan["chosen"]["margin"]
+    assert plan["predicted"]["expected_speedup"] == 1.0 and plan["choice"].startswith("AR rounds (predicted")
+    assert plan["line"].startswith(f"plan: {method} AR rounds: the best speculation (K={best['k']}")
+    assert f"is predicted at {best['expected_speedup']:.2f}x AR here" in plan["line"]
+    assert m["k_rounds"]["0"] == m["verify_steps"] > 0 and _drafted(res) == 0
+    assert m["acceptance_rate"] == 0.0 and m["mean_acceptance_length"] == 1.0
+    if method == "ssd":
+        assert m["ar_buckets"] == [len(PROMPTS)] and m["cache_hit_rate"] == 0.0 and "theorem7" not in plan
+    given = generate(target, PROMPTS, SP, SpecConfig(method=method, draft=draft, k=2, **backup))
+    assert (
+        _ids(given) == ar_ref and _drafted(given) > 0 and "ar_rounds" not in given.metrics["plan"]["chosen"]
+    )
+    _priced(monkeypatch, pays=True)
+    res = generate(
+        target, PROMPTS, SP, SpecConfig(method=method, draft=target if method == "ssd" else draft, **backup)
+    )
+    plan = res.metrics["plan"]
+    assert _ids(res) == ar_ref and _drafted(res) > 0 and "ar_rounds" not in plan["chosen"]
+    assert plan["predicted"]["expected_speedup"] > 1.0 + plan["chosen"]["margin"]
+
+
+def test_k_auto_where_k_is_fixed_runs_the_targets_ar_rounds(
+    pair, ar_ref, monkeypatch, tiny_llama_path, capsys
+):
+    """A method whose K is fixed (here SD stage by stage) has no AR rounds of its own: where its plan
+    declines, the run is the target's AR method under SD's name, with SD's metrics for rounds that propose
+    nothing; the CLI's JSON keeps its contract and carries the plan."""
+    from ssd_jax.cli.decode import main
+
+    target, _ = pair
+    _priced(monkeypatch, pays=False)
+    res = generate(target, PROMPTS, SP, SpecConfig(method="sd", draft="ngram", profile_stages=True))
+    m = res.metrics
+    assert _ids(res) == ar_ref and res.method == "sd" and m["plan"]["chosen"]["ar_rounds"]
+    assert m["k_rounds"] == {"0": m["verify_steps"]} and m["draft_s"] is None and _drafted(res) == 0
+    assert (m["acceptance_rate"], m["mean_acceptance_length"], m["per_position_acceptance"]) == (0.0, 1.0, [])
+    args = ["--target", tiny_llama_path, "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8"]
+    assert (
+        main([*args, "--max-new-tokens", "6", "--ignore-eos", "--json", "--method", "sd", "--draft", "ngram"])
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    need = ["acceptance_rate", "mean_acceptance_length", "per_position_acceptance", "acceptance_histogram"]
+    need += ["verify_steps", "draft_s", "verify_s", "sample_s", "overhead_s", "tokens_per_s", "wall_s"]
+    assert d["method"] == "sd" and set(need) <= set(d["metrics"])
+    assert d["metrics"]["plan"]["line"].startswith("plan: sd AR rounds: the best speculation")

@@ -70,7 +70,9 @@ def test_theorem7_against_a_hand_computed_case():
     assert plan.sd_ceiling(4, 2.5, 0.6) == pytest.approx(1.6 * 4 / 2.5)
 
 
-def test_a_run_carries_the_plan_the_bound_and_the_measurement(pair, ar_ref, tmp_path, monkeypatch):
+def test_a_run_carries_the_plan_the_bound_and_the_measurement(
+    pair, ar_ref, tmp_path, monkeypatch, speculating
+):
     monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
     target, draft = pair
     res = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft, backup="neural"))
@@ -95,7 +97,9 @@ def test_a_run_carries_the_plan_the_bound_and_the_measurement(pair, ar_ref, tmp_
     assert np.isfinite(again.metrics["plan"]["theorem7"]["bound"])
 
 
-def test_the_cli_prints_the_runs_bound_beside_its_prediction(tiny_llama_path, tmp_path, monkeypatch, capsys):
+def test_the_cli_prints_the_runs_bound_beside_its_prediction(
+    tiny_llama_path, tmp_path, monkeypatch, capsys, speculating
+):
     from ssd_jax.cli.decode import main
 
     monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))

@@ -78,7 +78,7 @@ def test_the_round_model_hides_the_build_only_on_a_device_of_its_own():
     assert plan.best_plan(list(costly.values()))["expected_speedup"] < best_own["expected_speedup"]
 
 
-def test_ssd_k_auto_chooses_its_round_and_stays_exact(pair, ar_ref, tmp_path, monkeypatch):
+def test_ssd_k_auto_chooses_its_round_and_stays_exact(pair, ar_ref, tmp_path, monkeypatch, speculating):
     monkeypatch.setenv("SSD_JAX_KAUTO_CACHE", str(tmp_path))
     target, draft = pair
     res = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft, backup="neural"))

@@ -230,7 +230,8 @@ def _report(res) -> None:
         )
     if m.get("plan", {}).get("theorem7"):  # the plan's prediction, Theorem 7's bound, the measurement
         print(f"[ssd] {m['plan']['theorem7']['line']}", file=sys.stderr)
-    if "cache_hit_rate" in m:
+    ar_rounds = (m.get("plan") or {}).get("chosen", {}).get("ar_rounds")  # the plan ran no SSD rounds
+    if "cache_hit_rate" in m and not ar_rounds:
         print(
             f"[ssd] cache hit rate {m['cache_hit_rate']:.2f} (whole batch {m['batch_cache_hit_rate']:.2f}), "
             f"tokens/round {m['tau_hit']:.2f} on hits, {m['tau_miss']:.2f} on misses; fan-out "

@@ -2,7 +2,9 @@
 pair, one prompt each, greedy: SD with the target's default SD draft in this process's layout, SSD with
 its draft model in a JAX process of its own (``python -m ssd_jax.launch --processes 2
 --cpus-per-process 1``: the target on core 0, the draft on core 1). Each method runs as its own
-``python -m ssd_jax.decode --json`` and the table says whether its tokens equal AR's.
+``python -m ssd_jax.decode --json`` and the table says whether its tokens equal AR's and, beside each
+row, the plan's choice: its K, or AR rounds where no speculation is predicted to beat AR by more than
+the planner's error (K auto).
 
 One prompt and one run each: an anecdote, not a benchmark (the benchmarks: docs/benchmarking.md).
 """
@@ -64,16 +66,23 @@ def _commands(args) -> dict[str, list[str]]:
 
 
 def table(results: dict[str, dict]) -> str:
+    """The demo's table; ``plan``: the plan's choice for the row (``Plan.choice``: e.g. "sd K=3 (predicted
+    1.40x)", or "AR rounds (predicted 0.59x)" where no speculation is predicted to beat AR by more than
+    the planner's error, the row then AR's rounds)."""
     ar = results["ar"]["outputs"][0]["token_ids"]
     lines = [
-        "| method | draft | decode tok/s | end-to-end tok/s | acceptance | hit rate | same tokens as AR |",
-        "|---|---|---|---|---|---|---|",
+        "| method | draft | plan | decode tok/s | end-to-end tok/s | acceptance | hit rate | same tokens as AR |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, d in results.items():
         m = d["metrics"]
         acc, hit = m.get("acceptance_rate"), m.get("cache_hit_rate")
+        plan = {} if name == "ar" else m.get("plan") or {}
+        if plan.get("chosen", {}).get("ar_rounds"):  # nothing proposed: no acceptance, no hits to show
+            acc = hit = None
+        plan = plan.get("choice") or "-"
         lines.append(
-            f"| {name} | {m.get('draft') or '-'} | {m['decode_tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} "
+            f"| {name} | {m.get('draft') or '-'} | {plan} | {m['decode_tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} "
             f"| {'-' if acc is None else f'{acc:.2f}'} | {'-' if hit is None else f'{hit:.2f}'} "
             f"| {'-' if name == 'ar' else ('yes' if d['outputs'][0]['token_ids'] == ar else 'NO')} |"
         )

@@ -1,17 +1,18 @@
 """``generate()``: the offline front of the one engine (:mod:`ssd_jax.engine.core`).
 
 It validates, tokenizes, asks the planner (:func:`ssd_jax.planning.configure`) for the draft as it will
-run (weight dtype, trimmed head), K and its policy, builds the method
-(:mod:`ssd_jax.engine.methods`), submits every row (each prompt times ``n`` samples) at time 0 to an
-engine with one slot per row, and runs it until every row is done. Each row draws from its own key
-(``key(seed)``, the sample index folded in after the first), so a seeded row gives the same tokens
-whatever shares its batch, offline as in the server.
+run (weight dtype, trimmed head), K and its policy (with K auto, AR rounds where no speculation is
+predicted to pay), builds the method (:mod:`ssd_jax.engine.methods`), submits every row (each prompt
+times ``n`` samples) at time 0 to an engine with one slot per row, and runs it until every row is done.
+Each row draws from its own key (``key(seed)``, the sample index folded in after the first), so a seeded
+row gives the same tokens whatever shares its batch, offline as in the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Sequence
 
 from ssd_jax.compile import Compiled
@@ -62,7 +63,12 @@ def generate(
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # a draft trained trimmed keeps its head
     spec, plan = configure(model, spec, rows=len(ids) * sampling.n, load=load, round_timer=_time_rounds)
     spec.validate()
-    method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace)
+    # the plan runs AR rounds: SD on one device and SSD run them in their own rounds (their policy); a
+    # method whose K is fixed, or SSD traced (stage by stage, no switch), runs the target's AR method
+    ar_method = plan.ar_rounds and (spec.k_plan is None or bool(trace and spec.method == "ssd"))
+    if ar_method and trace:
+        print(f"warning: no trace written, {plan.line()[6:]} (--k N traces SSD)", file=sys.stderr)
+    method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace, ar_rounds=ar_method)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
     _, max_len = plan_batch(model, rows_ids, sampling, spec)
     draft = getattr(method, "draft", None)
@@ -80,7 +86,7 @@ def generate(
     res.metrics["k_auto"] = k_auto
     res.metrics["draft_auto"] = plan.draft_auto
     res.metrics["plan"] = plan.to_json()
-    if spec.method == "ssd":  # the prediction, Theorem 7's bound with this run's hits, and the measurement
+    if spec.method == "ssd" and not plan.ar_rounds:  # the prediction, Theorem 7's bound, the measurement
         from ssd_jax.planning.ssd_model import run_check
 
         if (check := run_check(res.metrics["plan"], res.metrics, len(rows_ids))) is not None:

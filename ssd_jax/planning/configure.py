@@ -15,8 +15,13 @@ method is built. What it decides, in order, each step reading only what the step
    variant's calibration and, for SSD, the fixed cost of its round measured at start-up
    (``round_timer``; :meth:`.records.Calibrator.round_overhead`);
 4. **the policy** the engine asks every round (:mod:`.policy`): SD on one device re-chooses K from its
-   own acceptance (per batch bucket in a server, K = 0 where nothing pays); SSD in a one-device server
-   runs AR rounds at the buckets where its timed round does not pay.
+   own acceptance (per batch bucket in a server, K = 0 where nothing pays); SSD in a server runs AR
+   rounds at the buckets where its timed round does not pay;
+5. **AR rounds** (offline, K auto): where no configuration is predicted to beat AR by more than the
+   planner's own error (:data:`.policy.SERVING_MARGIN`, the server's margin), the run runs AR rounds:
+   SD on one device through its K plan (K = 0 rounds, the draft idle), SSD through its switch with every
+   bucket AR (the draft idle), a method whose K is fixed (an EAGLE-style head, SD on two meshes or stage
+   by stage) as the target's AR method (``generate()``). ``--k N`` always speculates.
 
 Across processes every process measures, and all take process 0's choices (fixed K).
 """
@@ -32,7 +37,7 @@ from ssd_jax.drafters.eagle import is_eagle, load_eagle
 from ssd_jax.errors import UserError
 from ssd_jax.parallel.distributed import agree, multi_process
 from ssd_jax.planning.head_model import choose_head_k
-from ssd_jax.planning.policy import SERVING_MARGIN, BucketPlans, BucketSwitch, KPlan
+from ssd_jax.planning.policy import SERVING_MARGIN, BucketPlans, BucketSwitch, KPlan, beats_ar
 from ssd_jax.planning.records import Calibration, Calibrator
 from ssd_jax.planning.sd_model import best_k, interpolate_verify, speedups_of
 from ssd_jax.planning.ssd_model import Overhead
@@ -64,6 +69,11 @@ class Plan:
     k_auto: dict | None = None
     draft_auto: dict | None = None
 
+    @property
+    def ar_rounds(self) -> bool:
+        """K auto found no configuration that beats AR by more than the planner's error: AR rounds."""
+        return bool(self.chosen.get("ar_rounds"))
+
     def to_json(self) -> dict:
         return {
             "method": self.method,
@@ -72,23 +82,49 @@ class Plan:
             "predicted": self.predicted,
             "calibration_s": self.calibration_s,
             "line": self.line(),
+            "choice": self.choice(),
         }
+
+    def choice(self) -> str:
+        """What the run does, in a few words (the demo's column): e.g. ``sd K=3 (predicted 1.40x)``,
+        ``AR rounds (predicted 0.59x)``."""
+        c, p = self.chosen, self.predicted or {}
+        if self.method == "ar":
+            return "ar"
+        if self.ar_rounds:
+            return f"AR rounds (predicted {p['best_speculation']['expected_speedup']:.2f}x)"
+        out = f"{self.method} K={c['k']}"
+        if c.get("fan_out_budget") is not None:
+            out += f" budget={c['fan_out_budget']}"
+        if p.get("expected_speedup") is not None:
+            out += f" (predicted {p['expected_speedup']:.2f}x)"
+        return out
 
     def line(self) -> str:
         """One line: e.g. ``plan: sd K=4 adaptive (1: K=4 1.52x, 8: K=0 (AR)); alpha 0.71 (cache);
-        t_ar 12.1 ms, t_verify(K+1) 14.0 ms, draft step 3.1 ms; expected 1.52x AR; draft bfloat16/32768``."""
+        t_ar 12.1 ms, t_verify(K+1) 14.0 ms, draft step 3.1 ms; expected 1.52x AR; draft bfloat16/32768``,
+        or where nothing pays ``plan: ssd AR rounds: the best speculation (K=1 budget=6) is predicted at
+        0.59x AR here, not above AR by more than the planner's 12% error; alpha 0.41 (cache); ...``."""
         c = self.chosen
         out = f"plan: {self.method}"
         if self.method == "ar":
             return out
-        out += f" K={c['k']}" + (" (auto)" if self.k_auto else " (given)")
-        if c.get("by_bucket"):
-            out += f" by running rows {c['by_bucket']}"
-        elif c.get("adaptive"):
-            out += " adaptive"
-        if c.get("fan_out_budget") is not None:
-            out += f" budget={c['fan_out_budget']}"
         m, p = self.measured or {}, self.predicted or {}
+        if self.ar_rounds:
+            b = p["best_speculation"]
+            cfg = f"K={b['k']}" + (f" budget={b['budget']}" if b.get("budget") is not None else "")
+            out += (
+                f" AR rounds: the best speculation ({cfg}) is predicted at {b['expected_speedup']:.2f}x AR here, "
+                f"not above AR by more than the planner's {c.get('margin', SERVING_MARGIN):.0%} error"
+            )
+        else:
+            out += f" K={c['k']}" + (" (auto)" if self.k_auto else " (given)")
+            if c.get("by_bucket"):
+                out += f" by running rows {c['by_bucket']}"
+            elif c.get("adaptive"):
+                out += " adaptive"
+            if c.get("fan_out_budget") is not None:
+                out += f" budget={c['fan_out_budget']}"
         if "alpha" in m:
             out += f"; alpha {m['alpha']:.2f} ({m['source']})"
         if "acceptance_by_position" in m:
@@ -102,6 +138,8 @@ class Plan:
         if m.get("round_overhead"):
             o = m["round_overhead"]
             out += f"; SSD fixed cost +{1e3 * max(0.0, o['ssd_s'] - o['sd_s']):.2f} ms/round over SD's ({o['source']})"
+        if self.ar_rounds:
+            return out
         if p.get("expected_speedup") is not None:
             out += f"; expected {p['expected_speedup']:.2f}x AR"
         if p.get("miss_path"):
@@ -125,7 +163,7 @@ def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False
     ``round_timer(spec)`` times AR, SD and SSD rounds where compute is about zero on ``spec``'s
     layout (seconds a round: ``ar_s``, ``sd_s``, ``ssd_s``), SSD's fixed cost (None: not priced)."""
     if is_eagle(spec.draft):
-        return _configure_head(model, spec, rows)
+        return _configure_head(model, spec, rows, serving)
     calibrator = Calibrator(model)
     oh_s = _round_overhead(calibrator, spec, round_timer)
     spec, draft_auto, variant_s = _choose_variant(calibrator, spec, rows, load)
@@ -142,6 +180,10 @@ def configure(model, spec, *, rows: int, load, buckets=(), serving: bool = False
             policy = dataclasses.replace(policy, k=int(spec.k), tokens_per_round=tpr)
         else:
             policy = None
+        k_auto["ar_rounds"] = bool(agree(int(k_auto["ar_rounds"])))  # process 0's AR rounds or not
+        spec = dataclasses.replace(spec, k_plan=policy)
+    if k_auto is not None and k_auto["ar_rounds"]:
+        policy = _ar_rounds_policy(spec, policy, k_auto, rows, buckets)
         spec = dataclasses.replace(spec, k_plan=policy)
     spent = variant_s + (k_auto or {}).get("calibration_s", 0.0) + oh_s
     plan = _plan(spec, cal, k_auto, draft_auto, policy, spent, calibrator)
@@ -241,8 +283,8 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
         if spec.backup == "auto" and two_meshes(spec):  # the plan's miss path (on one device auto is neural)
             spec = dataclasses.replace(spec, backup="neural" if best["backup"] == "neural" else "ngram")
     policy = None
+    margin = SERVING_MARGIN  # speculation only beyond the planner's own error, offline as in a server
     if spec.method == "sd":  # K re-chosen every round (K = 0 an AR round), per bucket in a server
-        margin = SERVING_MARGIN if serving else 0.0  # a server speculates only beyond the model's error
         policy = KPlan.from_costs(cal.alpha, cal.costs, k, zero=True, margin=margin)
         if len(buckets) > 1 and not two_meshes(spec):
             policy = BucketPlans(
@@ -259,8 +301,27 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
         "source": cal.source,
         "cache_file": str(cal.path),
         "calibration_s": time.perf_counter() - t0 if cal.source == "measured" else 0.0,
+        # offline, the whole run's choice (a server chooses per bucket, above): the best configuration
+        # (SSD's round model, or SD's S(K) at the calibrated alpha) not above AR by more than the margin
+        "ar_rounds": not serving and not beats_ar(best["expected_speedup"] if best else sp[k], margin),
     }
     return dataclasses.replace(spec, k=k, k_plan=policy), info, cal, policy
+
+
+def _ar_rounds_policy(spec, policy, info: dict, rows: int, buckets):
+    """The policy that runs a plan's AR rounds (``info["ar_rounds"]``): SD on one device, its own K plan
+    (K = 0 rounds with the draft idle; a round explores now and then, as in a server); SSD, a switch with
+    every batch bucket AR (the draft idle, not even prefilled); a method whose K is fixed here (SD on
+    two meshes, stage by stage or with random proposals), None: ``generate()`` runs the target's AR method."""
+    if spec.method == "sd" and isinstance(policy, KPlan) and not two_meshes(spec):
+        if not spec.profile_stages and spec.draft != "random":
+            return policy
+    if spec.method == "ssd" and info.get("ssd_plan") and not spec.profile_stages:
+        tpr = float(info["ssd_plan"]["tokens_per_round"])
+        return BucketSwitch(
+            int(spec.k), tpr, info["alpha"], zero=tuple(buckets) or (rows,), margin=SERVING_MARGIN
+        )
+    return None
 
 
 def _bucket_plan(
@@ -283,8 +344,8 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
     if isinstance(policy, BucketPlans):
         chosen["by_bucket"] = policy.summary()
     margin = policy.plans[-1][1].margin if isinstance(policy, BucketPlans) else getattr(policy, "margin", 0.0)
-    if margin:
-        chosen["margin"] = margin
+    if margin or k_auto is not None:  # K auto: speculation only beyond the planner's error
+        chosen["margin"] = margin or SERVING_MARGIN
     measured = predicted = None
     if cal is not None:
         c = cal.costs
@@ -315,15 +376,27 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
                 "batch": ssd["batch"],
                 "chosen": ssd["backup"],
             }
+    if k_auto is not None and k_auto.get("ar_rounds"):
+        _mark_ar_rounds(chosen, predicted, spec.fan_out_budget if spec.method == "ssd" else None)
     if draft_auto is not None:
         predicted = {**(predicted or {}), "variants": draft_auto["variants"]}
     return Plan(spec.method, chosen, measured, predicted, spent, k_auto, draft_auto)
 
 
-def _configure_head(model, spec, rows: int):
+def _mark_ar_rounds(chosen: dict, predicted: dict, budget: int | None) -> None:
+    """A plan that runs AR rounds: what it declined (``best_speculation``) and what it expects (1.0x AR)."""
+    best = {"k": chosen["k"], "expected_speedup": predicted["expected_speedup"]}
+    if budget is not None:
+        best["budget"] = budget
+    chosen["ar_rounds"] = True
+    predicted.update(best_speculation=best, expected_speedup=1.0)
+
+
+def _configure_head(model, spec, rows: int, serving: bool = False):
     """An EAGLE-style head as the draft: its K from its acceptance curve (:mod:`.head_model`); no weight
-    variants (its vocabulary and dtype are fixed in training). One-line errors for what a head does not
-    do yet."""
+    variants (its vocabulary and dtype are fixed in training); offline, AR rounds where its best K is not
+    predicted to beat AR by more than the planner's error. One-line errors for what a head does not do
+    yet."""
     if spec.method not in ("sd", "ssd"):
         raise UserError(f"an EAGLE head drafts for --method sd or ssd, not {spec.method}")
     if spec.method == "ssd" and spec.backup not in ("auto", "neural"):
@@ -349,4 +422,9 @@ def _configure_head(model, spec, rows: int):
             "expected_speedup_by_k": info["expected_speedup_by_k"],
         }
     chosen = {"k": k, "draft": "eagle head", "adaptive": False}
+    if predicted is not None:  # K auto with the head's curve
+        chosen["margin"] = SERVING_MARGIN
+        info["ar_rounds"] = not serving and not beats_ar(predicted["expected_speedup"])
+        if info["ar_rounds"]:
+            _mark_ar_rounds(chosen, predicted, None)
     return spec, Plan(spec.method, chosen, measured, predicted, (info or {}).get("calibration_s", 0.0), info)

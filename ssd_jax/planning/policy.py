@@ -42,6 +42,8 @@ __all__ = [
     "KPolicy",
     "OnlineK",
     "PRIOR_WEIGHT",
+    "SERVING_MARGIN",
+    "beats_ar",
 ]
 
 #: the K an adaptive run switches between (each is one compiled round program), plus the calibrated K
@@ -81,12 +83,20 @@ def _grid(alpha: float) -> int:
     return int(round(min(max(alpha, 0.0), 1.0) * GRID))
 
 
-#: In a server, a batch bucket speculates only where its predicted speedup over AR exceeds 1 + this: the
+#: A run speculates only where its predicted speedup over AR exceeds 1 + this (:func:`beats_ar`): the
 #: planner's own prediction error as the hardware-fair protocol measured it (docs/serving.md#k-by-batch-bucket):
 #: at 95b4e24 SD's speedup over AR was predicted 12% (SmolLM2) and 20% (Qwen pair) above the measurement, so
-#: a predicted gain below 12% is within the model's error. The outside serving benchmark's case, SD on
-#: SmolLM2 at 4 rows predicted 1.01x and measured 0.87x, runs AR rounds under it (not re-measured).
+#: a predicted gain below 12% is within the model's error. A server applies it per batch bucket; an offline
+#: run with K auto to the whole run (:mod:`ssd_jax.planning.configure`: AR rounds where nothing beats it).
+#: The outside serving benchmark's case, SD on SmolLM2 at 4 rows predicted 1.01x and measured 0.87x, runs
+#: AR rounds under it (not re-measured).
 SERVING_MARGIN = 0.12
+
+
+def beats_ar(speedup: float, margin: float = SERVING_MARGIN) -> bool:
+    """Whether a configuration predicted at ``speedup`` x AR is worth speculating with: above AR by more
+    than ``margin`` (the planner's error); else AR rounds."""
+    return speedup >= 1.0 + margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +106,7 @@ class KPlan:
     ``t_verify``: (K, t_verify(K + 1)) pairs for K in 1..K_MAX (as :func:`interpolate_verify` gives
     them); ``ks``: the K values the run may switch between; ``zero``: K = 0 (a plain AR round, the
     draft idle) is a candidate, chosen when no K is expected to pay; ``margin``: with ``zero``, a K must be
-    expected to beat AR by more than this share (a server: :data:`SERVING_MARGIN`)."""
+    expected to beat AR by more than this share (K auto: :data:`SERVING_MARGIN`)."""
 
     alpha: float
     t_ar: float
@@ -141,7 +151,7 @@ class KPlan:
             ks=self.ks,
         )
         k = best_k(sp)
-        return 0 if self.zero and sp[k] < 1.0 + self.margin else k
+        return 0 if self.zero and not beats_ar(sp[k], self.margin) else k
 
     def speedup(self, alpha: float, k: int) -> float:
         """S(K) at acceptance ``alpha`` (S(0) = 1: an AR round)."""

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 
-def build_method(model, spec, modes, load, trace=None):
+def build_method(model, spec, modes, load, trace=None, ar_rounds: bool = False):
     """The method object for ``spec`` (validated, K an integer) and the sampling ``modes`` its rounds
-    may run in; ``load`` loads a draft by name."""
-    from ssd_jax.engine.methods.base import AR
+    may run in; ``load`` loads a draft by name. ``ar_rounds``: the plan runs AR rounds and ``spec``'s
+    method has none of its own (:class:`.base.ARRounds`: the target's AR method under its name)."""
+    from ssd_jax.engine.methods.base import AR, ARRounds
 
     if spec.method == "ar":
         return AR(model, modes)
+    if ar_rounds:
+        return ARRounds(model, modes, spec)
     spans = spec.target_devices is not None or spec.draft_devices is not None
     if spec.method == "sd":
         from ssd_jax.engine.methods.eagle import SDEagle, is_eagle, load_eagle

@@ -173,3 +173,32 @@ class AR(Method):
         t = np.asarray(out)
         one = np.ones(self.B, np.int64)
         return RoundOut(t[:, :1], one, np.zeros(self.B, np.int64), logprobs=host_logprobs(t, 1, 1))
+
+
+class ARRounds(AR):
+    """SD or SSD whose plan runs AR rounds (K auto, no configuration predicted to beat AR by more than the
+    planner's error: :mod:`ssd_jax.planning.configure`) where the method's K is fixed (an EAGLE-style head,
+    SD on two meshes or stage by stage): the target's AR rounds, no draft, reported under the method's
+    name as rounds of K = 0 (nothing proposed: acceptance 0.0 of 0 proposals, 1.0 tokens a round)."""
+
+    speculates = True
+
+    def __init__(self, model, modes, spec):
+        super().__init__(model, modes)
+        self.name, self.spec = spec.method, spec
+
+    def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        d = self.spec.draft
+        out = {
+            "k": int(self.spec.k),
+            "draft": d if isinstance(d, str) else getattr(d, "name", None),
+            "draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None,
+            "calls_per_round": 1,
+            "rounds_without_proposals": rounds,
+            "k_adaptive": False,
+            "k_rounds": {"0": rounds},
+        }  # fmt: skip
+        if self.name == "ssd":  # no speculation, no lookups
+            out.update(cache_hit_rate=0.0, batch_cache_hit_rate=0.0, tau_hit=0.0, tau_miss=0.0)
+            out["fallback_calls"] = {"neural": 0, "ngram": 0, "random": 0}
+        return out

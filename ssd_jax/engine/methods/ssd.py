@@ -162,7 +162,23 @@ class SSD(Method):
         """Run one round of every kind, mode and window over free slots (results ignored), so the rounds'
         programs, the tree's shardings and the moves between processes are compiled before any timing;
         then forget what those rounds recorded."""
-        off = np.zeros(self.B, bool)
+        off, z = np.zeros(self.B, bool), None if self.switch is None else self.switch.zero
+        if z is not None and set(self.buckets) <= set(z):  # AR rounds at every bucket (K auto offline where
+            self.ar_buckets, self._forced_ar = set(self.buckets), True  # nothing pays): only they compile
+            for mode, w, b in ((m, w, b) for m in self.modes for w in windows for b in self.buckets):
+                self.read(self.dispatch(off, w, mode, b), off, off)
+            self._forced_ar, self.lag_rounds = False, 0
+        else:
+            self._compile_ssd_rounds(windows, off)
+        self.calls, self.meta_next[:] = 0, 0
+        self.k_rounds = {0: 0, self.K: 0}
+        self.stats = SSDStats(self.B)
+        self.tl = Timeline(enabled=self.profiled)
+        if self.profiled and dist.multi_process():
+            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
+        self.origin = time.perf_counter()
+
+    def _compile_ssd_rounds(self, windows, off) -> None:
         for mode in self.modes:
             for w in windows:
                 for kind in self.kinds:
@@ -178,13 +194,6 @@ class SSD(Method):
         if self.switch is not None:
             self._reset_lag.precompile(self.lag_n, self.put(off))
             self._choose_buckets(windows)
-        self.calls, self.meta_next[:] = 0, 0
-        self.k_rounds = {0: 0, self.K: 0}
-        self.stats = SSDStats(self.B)
-        self.tl = Timeline(enabled=self.profiled)
-        if self.profiled and dist.multi_process():
-            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
-        self.origin = time.perf_counter()
 
     def _choose_buckets(self, windows, repeats: int = 5) -> None:
         """At each bucket: time the compiled SSD round and AR round (the median of ``repeats`` over free
