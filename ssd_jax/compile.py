@@ -96,6 +96,12 @@ def cpu_tag() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def user_cache() -> Path:
+    """The user cache folder (``$SSD_JAX_CACHE`` or ``~/.cache/ssd_jax``), as
+    :func:`ssd_jax.loading.registry.cache_root` has it, for the layers below loading."""
+    return Path(os.environ.get("SSD_JAX_CACHE") or Path.home() / ".cache" / "ssd_jax").expanduser()
+
+
 def persistent_cache_dir() -> Path | None:
     """Where :func:`use_persistent_cache` puts the cache: ``None`` when ``SSD_JAX_COMPILE_CACHE`` is
     off, else ``<folder>/jax-<version>-<hash of this CPU's model and flags>``, the folder being
@@ -116,9 +122,7 @@ def persistent_cache_dir() -> Path | None:
     if value:
         base = Path(value).expanduser()
     else:
-        base = (
-            Path(os.environ.get("SSD_JAX_CACHE") or Path.home() / ".cache" / "ssd_jax").expanduser() / "jit"
-        )
+        base = user_cache() / "jit"
     ident = f"{jax.__version__}\0{jaxlib.__version__}\0{platform.machine()}\0{cpu_tag()}"
     return base / f"jax-{jax.__version__}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 

@@ -33,7 +33,7 @@ from ssd_jax.loading.store import (
 )
 from ssd_jax.loading.tokenizer import Tokenizer
 from ssd_jax.models.forms import Forms
-from ssd_jax.models.forms import resolve as resolve_forms
+from ssd_jax.models.form_timing import resolve as resolve_forms
 from ssd_jax.models.params import check_flat, to_layout, unflatten
 
 __all__ = [

@@ -38,9 +38,9 @@ REPEATS = 5
 
 
 def cache_dir() -> Path:
-    from ssd_jax.loading.registry import cache_root
+    from ssd_jax.compile import user_cache
 
-    return cache_root() / "forms"
+    return user_cache() / "forms"
 
 
 def _key(shape: tuple[int, int], dtype: str) -> str:
@@ -151,6 +151,21 @@ def measured(shape: tuple[int, int], dtype: str = "float32", timer=time_forms) -
             json.dump(timed, f)
         os.replace(tmp, path)
         return timed
+
+
+def resolve(cfg, forms=None):
+    """The loader's forms: :func:`ssd_jax.models.forms.resolve`, refined by :func:`refine` where that gives
+    the CPU table for "auto" (the default)."""
+    import jax
+
+    from ssd_jax.models import forms as F
+
+    got = F.resolve(cfg, forms)
+    asked = forms if isinstance(forms, str) else None if forms is None else "given"
+    asked = asked or os.environ.get("SSD_JAX_FORMS") or "auto"
+    if asked != "auto" or jax.default_backend() != "cpu":
+        return got
+    return refine(cfg, got)
 
 
 def refine(cfg, prior, timer=time_forms):

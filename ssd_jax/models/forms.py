@@ -174,30 +174,23 @@ def table_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def for_backend(cfg, backend: str) -> Forms:
-    """The forms to use on ``backend``: on "cpu" the shipped table as the prior, refined by this
-    machine's own measurement at the model's shapes (``ssd_jax.models.form_timing``; cached, so once per
-    machine, build and shape); the canonical forms elsewhere."""
+    """The forms to use on ``backend``: the shipped CPU table on "cpu" (the loader refines it by this
+    machine's own measurement: ``ssd_jax.models.form_timing.resolve``), the canonical forms elsewhere."""
     if backend != "cpu":
         return CANONICAL
-    from ssd_jax.models import form_timing
-
-    return form_timing.refine(cfg, from_table(load_table(), table_shapes(cfg)))
+    return from_table(load_table(), table_shapes(cfg))
 
 
 def resolve(cfg, forms: str | Forms | None = None) -> Forms:
-    """``forms``: a :class:`Forms`, "canonical", "auto" (per backend, default; on CPU measured on this
-    machine), "table" (on CPU the shipped table unmeasured) or None (the ``SSD_JAX_FORMS`` environment
-    variable, else "auto")."""
+    """``forms``: a :class:`Forms`, "canonical", "auto" (per backend, default), "table" (the same here; the
+    loader measures "auto" on CPU, not "table": ``form_timing.resolve``) or None (the ``SSD_JAX_FORMS``
+    environment variable, else "auto")."""
     if isinstance(forms, Forms):
         return forms
     forms = forms or os.environ.get("SSD_JAX_FORMS") or "auto"
     if forms == "canonical":
         return CANONICAL
-    if forms == "table":
-        import jax
-
-        return from_table(load_table(), table_shapes(cfg)) if jax.default_backend() == "cpu" else CANONICAL
-    if forms != "auto":
+    if forms not in ("auto", "table"):
         raise ValueError(f"matmul forms must be 'auto', 'table' or 'canonical', not {forms!r}")
     import jax
 

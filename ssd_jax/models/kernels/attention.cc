@@ -33,42 +33,45 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using ssd_jax_kernels::load16;
-using ssd_jax_kernels::store16;
-typedef ssd_jax_kernels::v16 f16v;
-typedef int32_t i16v __attribute__((vector_size(64)));
+// Vectors of the target's own width (cpu.h): 16-float vectors split into halves on AVX2 measured 10x
+// slower at T = 5 than at T = 1 (issue 54), the -march=haswell build of this file against the native one.
+using ssd_jax_kernels::kLanes;
+using ssd_jax_kernels::loadv;
+using ssd_jax_kernels::storev;
+typedef ssd_jax_kernels::vf fv;  // kLanes floats
+typedef int32_t iv __attribute__((vector_size(4 * SSD_JAX_LANES)));
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  f16v acc = f16v{};
+  fv acc = fv{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += loadv(a + i) * loadv(b + i);
   float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += acc[l];
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), 16 lanes: 2^n * e^r with |r| <= ln2 / 2, a
+// exp(x) for x <= 0 (scores minus their maximum), kLanes lanes: 2^n * e^r with |r| <= ln2 / 2, a
 // degree-6 polynomial for e^r (relative error about 2e-7, float32's own rounding); lanes below
 // -87 give 0.
-inline f16v exp_neg(f16v x) {
-  const f16v lo = f16v{} - 87.f;
+inline fv exp_neg(fv x) {
+  const fv lo = fv{} - 87.f;
   x = x < lo ? lo : x;  // lane-wise select
-  const f16v magic = f16v{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const f16v n = (x * 1.4426950408889634f + magic) - magic;
-  const f16v r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  f16v p = f16v{} + 1.f / 720.f;
+  const fv magic = fv{} + 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const fv n = (x * 1.4426950408889634f + magic) - magic;
+  const fv r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  fv p = fv{} + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  f16v scale;
+  const iv bits = (__builtin_convertvector(n, iv) + 127) << 23;
+  fv scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  const f16v out = p * scale;
-  return x <= lo ? f16v{} : out;
+  const fv out = p * scale;
+  return x <= lo ? fv{} : out;
 }
 
 struct Shape {
@@ -148,16 +151,16 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
       blind[r] = 1;
       continue;
     }
-    f16v tot = f16v{};
+    fv tot = fv{};
     int64_t s = 0;
     for (const auto& [a, b] : spans)
-      for (s = a; s + 16 <= b; s += 16) {
-        const f16v e = exp_neg(load16(sr + s) - m);
-        store16(sr + s, e);
+      for (s = a; s + kLanes <= b; s += kLanes) {
+        const fv e = exp_neg(loadv(sr + s) - m);
+        storev(sr + s, e);
         tot += e;
       }
     float sum = 0.f;
-    for (int l = 0; l < 16; ++l) sum += tot[l];
+    for (int l = 0; l < kLanes; ++l) sum += tot[l];
     for (; s < smax; ++s) {
       const float e = sr[s] == neg ? 0.f : std::exp(sr[s] - m);
       sr[s] = e;
@@ -180,7 +183,7 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
           if (blind[r] || p == 0.f) continue;
           float* o = orow(t, g);
           int64_t i = 0;
-          for (; i + 16 <= hd; i += 16) store16(o + i, load16(o + i) + p * load16(vs + i));
+          for (; i + kLanes <= hd; i += kLanes) storev(o + i, loadv(o + i) + p * loadv(vs + i));
           for (; i < hd; ++i) o[i] += p * vs[i];
         }
     }

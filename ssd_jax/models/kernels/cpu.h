@@ -57,6 +57,14 @@ typedef float vf __attribute__((vector_size(4 * SSD_JAX_LANES)));
 // 16 floats; one zmm register on AVX-512, else split by GCC into kLanes-wide registers.
 typedef float v16 __attribute__((vector_size(64)));
 
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
 inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));

@@ -30,6 +30,7 @@ namespace {
 
 using ssd_jax_kernels::kLanes;
 using ssd_jax_kernels::kRegs;
+using ssd_jax_kernels::loadv;
 using ssd_jax_kernels::vf;
 
 // kR rows of W per block; kMB rows of x per pass over it (override with -DSSD_JAX_ROWS_R / _MB): kMB x kR
@@ -54,12 +55,6 @@ static_assert(kMB >= 1 && kMB <= 12 && kR >= 1 && kR <= 8, "register blocking ou
 
 typedef uint16_t u16v __attribute__((vector_size(2 * SSD_JAX_LANES)));
 typedef uint32_t u32v __attribute__((vector_size(4 * SSD_JAX_LANES)));
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // kLanes bfloat16 values widened to float32: a bfloat16 is the top half of a float32's bits.
 inline vf loadv(const uint16_t* p) {
