@@ -210,6 +210,8 @@ def _report(res) -> None:
     m = res.metrics
     if m.get("plan") and res.method != "ar":
         print(f"[{res.method}] {m['plan']['line']}", file=sys.stderr)
+    if (m.get("plan") or {}).get("forms"):
+        print(f"[{res.method}] {m['plan']['forms']['line']}", file=sys.stderr)
     print(
         f"[{res.method}] {m['generated_tokens']} tokens in {m['wall_s']:.2f}s: {m['tokens_per_s']:.2f} tok/s, "
         f"ttft {m['ttft_s']:.3f}s, tpot {m['tpot_s'] * 1e3:.1f}ms, compile {m['compile_s']:.1f}s",

@@ -15,6 +15,8 @@ import functools
 import sys
 from collections.abc import Callable, Sequence
 
+import jax
+
 from ssd_jax.compile import Compiled
 from ssd_jax.decoding.batch import GenerationResult, encode_prompts, plan_batch, speed_metrics
 from ssd_jax.decoding.spec import SpecConfig
@@ -86,6 +88,7 @@ def generate(
     res.metrics["k_auto"] = k_auto
     res.metrics["draft_auto"] = plan.draft_auto
     res.metrics["plan"] = plan.to_json()
+    res.metrics["plan"]["forms"] = forms_summary(model.cfg, getattr(draft, "cfg", None))
     if spec.method == "ssd" and not plan.ar_rounds:  # the prediction, Theorem 7's bound, the measurement
         from ssd_jax.planning.ssd_model import run_check
 
@@ -101,6 +104,22 @@ def generate(
         if (n := head_vocab(spec.draft)) is not None:  # a draft trained with a trimmed head decodes with it
             res.metrics["draft_vocab"] = n
     return _record_cpus(res, spec)
+
+
+def forms_summary(target_cfg, draft_cfg=None) -> dict:
+    """The CPU kernels' build and the matmul forms each model runs (measured on this machine at load:
+    ``ssd_jax.models.form_timing``), for the run's JSON and its plan lines."""
+    from ssd_jax.models import kernels
+    from ssd_jax.models.form_timing import describe
+
+    out = {
+        "kernels": kernels.isa() if jax.default_backend() == "cpu" else "off",
+        "target": describe(target_cfg.forms),
+    }
+    if draft_cfg is not None:
+        out["draft"] = describe(draft_cfg.forms)
+    out["line"] = f"kernels {out['kernels']}; target forms: {out['target']}"
+    return out
 
 
 def _time_rounds(spec: SpecConfig) -> dict:
