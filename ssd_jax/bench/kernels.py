@@ -10,8 +10,9 @@ Three parts, each writing its rows to ``<out>/kernels_cpu_<tag>.json`` with a ma
 * ``attention``: the attention kernel of each build against XLA's einsum reference at T = 1..16 new
   tokens over a context of ``--context`` slots, at each model's head layout (batch 1).
 * ``forward``: each model's whole forward plus its output head at T = 1..16 new tokens (a T-token
-  verify; T = 1 is the decode step), one child process per build (``SSD_JAX_KERNEL_ISA``) plus one
-  with the kernels off (XLA alone), on 1 core and on 2 (``--cores``); children alternate per repeat.
+  verify; T = 1 is the decode step) over ``--context`` cached tokens, one child process per build
+  (``SSD_JAX_KERNEL_ISA``) plus one with the kernels off (XLA alone), on 1 core and on 2 (``--cores``),
+  the T values interleaved within the child.
   The matmul forms are those the loader picks on this machine (measured, ``ssd_jax.models.form_timing``).
 
 The load average is recorded before and after each part; the machine's CPU model and instruction set
@@ -181,41 +182,38 @@ def child_forward(model: str, ts: list[int], reps: int, context: int) -> dict:
 
 
 def part_forward(models, builds, ts, reps, context, core_sets) -> list[dict]:
+    """One child process per (model, cores, build), the builds in turn; each child times every T ``reps``
+    times, the T values interleaved (the child's compile and load are not timed)."""
     out = []
     for model in models:
         for cores in core_sets:
-            runs = {b: [] for b in (*builds, "xla")}
-            for _rep in range(reps):
-                for b in runs:
-                    env = dict(os.environ, SSD_JAX_KERNEL_ISA="native" if b == "xla" else b)
-                    if b == "xla":
-                        env["SSD_JAX_KERNELS"] = "off"
-                    cmd = [
-                        sys.executable, "-m", "ssd_jax.bench.kernels", "--child-forward", model,
-                        "--ts", *map(str, ts), "--reps", "3", "--context", str(context),
-                        "--cores", ",".join(map(str, cores)),
-                    ]  # fmt: skip
-                    load = os.getloadavg()[0]
-                    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                    if r.returncode:
-                        raise SystemExit(f"forward child {b} failed: {r.stderr.strip().splitlines()[-1:]}")
-                    res = json.loads(r.stdout.strip().splitlines()[-1])
-                    res["load"] = load
-                    runs[b].append(res)
-            for b, rs in runs.items():
-                # per repeat (one child), its median; the cell is over the children
-                cells = {f"T={t}": _cell([r["cells"][f"T={t}"]["median_s"] for r in rs]) for t in ts}
+            for b in (*builds, "xla"):
+                env = dict(os.environ, SSD_JAX_KERNEL_ISA="native" if b == "xla" else b)
+                if b == "xla":
+                    env["SSD_JAX_KERNELS"] = "off"
+                cmd = [
+                    sys.executable, "-m", "ssd_jax.bench.kernels", "--child-forward", model,
+                    "--ts", *map(str, ts), "--reps", str(reps), "--context", str(context),
+                    "--cores", ",".join(map(str, cores)),
+                ]  # fmt: skip
+                load = [os.getloadavg()[0]]
+                r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if r.returncode:
+                    raise SystemExit(f"forward child {b} failed: {r.stderr.strip().splitlines()[-1:]}")
+                res = json.loads(r.stdout.strip().splitlines()[-1])
+                load.append(os.getloadavg()[0])
                 row = {
                     "part": "forward", "model": model, "build": b, "cores": len(cores),
-                    "kernels": rs[0]["kernels"], "forms": rs[0]["forms"], "load": [r["load"] for r in rs],
-                    "cells": cells,
+                    "kernels": res["kernels"], "forms": res["forms"], "load": load, "cells": res["cells"],
                 }  # fmt: skip
                 out.append(row)
-                one = cells["T=1"]["median_s"]
+                one = res["cells"]["T=1"]["median_s"]
                 print(
                     f"forward {model} {b} {len(cores)} core(s): T=1 {one * 1e3:.1f} ms, "
                     + ", ".join(
-                        f"T={t} x{cells[f'T={t}']['median_s'] / one:.2f}" for t in ts if t in (2, 5, 8, 16)
+                        f"T={t} x{res['cells'][f'T={t}']['median_s'] / one:.2f}"
+                        for t in ts
+                        if t in (2, 5, 8, 16)
                     ),
                     flush=True,
                 )
