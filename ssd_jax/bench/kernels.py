@@ -11,8 +11,9 @@ Three parts, each writing its rows to ``<out>/kernels_cpu_<tag>.json`` with a ma
   tokens over a context of ``--context`` slots, at each model's head layout (batch 1).
 * ``forward``: each model's whole forward plus its output head at T = 1..16 new tokens (a T-token
   verify; T = 1 is the decode step) over ``--context`` cached tokens, one child process per build
-  (``SSD_JAX_KERNEL_ISA``) plus one with the kernels off (XLA alone), on 1 core and on 2 (``--cores``),
-  the T values interleaved within the child.
+  (``SSD_JAX_KERNEL_ISA``) plus one with the kernels off (XLA alone) per instruction set, on 1 core and
+  on 2 (``--cores``), the T values interleaved within the child. The avx2 children also limit XLA's own
+  code generation to AVX2 (``--xla_cpu_max_isa=AVX2``), so the pair reproduces an AVX2-only machine.
   The matmul forms are those the loader picks on this machine (measured, ``ssd_jax.models.form_timing``).
 
 The load average is recorded before and after each part; the machine's CPU model and instruction set
@@ -181,16 +182,29 @@ def child_forward(model: str, ts: list[int], reps: int, context: int) -> dict:
     }
 
 
+def _forward_runs(builds) -> list[str]:
+    """The forward part's children: each build, then XLA alone (kernels off) after each instruction set
+    (``xla`` native, ``xla-avx2`` with XLA's code generation limited to AVX2 as on such a machine)."""
+    out = []
+    for b in builds:
+        out += [b, "xla" if b == "native" else f"xla-{b}"]
+    return out
+
+
 def part_forward(models, builds, ts, reps, context, core_sets) -> list[dict]:
     """One child process per (model, cores, build), the builds in turn; each child times every T ``reps``
     times, the T values interleaved (the child's compile and load are not timed)."""
     out = []
     for model in models:
         for cores in core_sets:
-            for b in (*builds, "xla"):
-                env = dict(os.environ, SSD_JAX_KERNEL_ISA="native" if b == "xla" else b)
-                if b == "xla":
+            for b in _forward_runs(builds):
+                env = dict(os.environ, SSD_JAX_KERNEL_ISA=b.removeprefix("xla-") if b != "xla" else "native")
+                if b.startswith("xla"):
                     env["SSD_JAX_KERNELS"] = "off"
+                if b.endswith(
+                    "avx2"
+                ):  # XLA's own code generation limited to AVX2 too: the whole AVX2 machine
+                    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa=AVX2".strip()
                 cmd = [
                     sys.executable, "-m", "ssd_jax.bench.kernels", "--child-forward", model,
                     "--ts", *map(str, ts), "--reps", str(reps), "--context", str(context),

@@ -17,6 +17,7 @@
 // A query row that sees no slot gets the mean of all S values, as the einsum reference does
 // (its scores are all the float32 minimum there, so its softmax is uniform).
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +25,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu.h"
@@ -36,20 +38,11 @@ namespace {
 // Vectors of the target's own width (cpu.h): 16-float vectors split into halves on AVX2 measured 10x
 // slower at T = 5 than at T = 1 (issue 54), the -march=haswell build of this file against the native one.
 using ssd_jax_kernels::kLanes;
+using ssd_jax_kernels::kRegs;
 using ssd_jax_kernels::loadv;
 using ssd_jax_kernels::storev;
 typedef ssd_jax_kernels::vf fv;  // kLanes floats
 typedef int32_t iv __attribute__((vector_size(4 * SSD_JAX_LANES)));
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  fv acc = fv{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += loadv(a + i) * loadv(b + i);
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // exp(x) for x <= 0 (scores minus their maximum), kLanes lanes: 2^n * e^r with |r| <= ln2 / 2, a
 // degree-6 polynomial for e^r (relative error about 2e-7, float32's own rounding); lanes below
@@ -91,10 +84,202 @@ struct Slots {
   }
 };
 
-// One (b, j) work item. scores: scratch of G * T * S floats.
+// ---- Register blocking (issue 54). One dot product per (slot, query row) with a horizontal sum each, and
+// a load / FMA / store of a row's whole output vector per (slot, row), made the cost grow with T at
+// several times XLA's rate (T = 16 twice the einsum's time). Both products of a work item are small matrix
+// products over its rows r = t * G + g (R = T * G of them) and the slots the spans cover:
+//   scores (R x S) = Q (R x hd) . K^T        out (R x hd) = P (R x S) . V
+// and both are done by one register tile (Tile below): kRows rows x kVecs vectors of accumulators, kept in
+// registers over a whole run of the shared dimension, each step loading kVecs vectors of the right-hand
+// side and broadcasting kRows left-hand floats for kRows * kVecs FMAs; every result is stored once.
+// For the scores the right-hand side is K^T: each run of keys is transposed once (shuffles in registers)
+// into slot-major rows, so a score vector holds kLanes slots and no horizontal sum is needed. With few
+// rows (a decode step's R = G) the transpose would cost more than it saves: there each dot is a vector of
+// partial products and kLanes of them are summed together by one shuffle tree (score_dots).
+
+// 6 x 4 = 24 accumulators where the target has 32 vector registers, 4 x 3 = 12 where it has 16; the rest
+// hold the right-hand vectors and the broadcast (3 x 4 on AVX2 spilled two accumulators to the stack and
+// ran at half the speed).
+constexpr int kRows = kRegs >= 32 ? 6 : 4;
+constexpr int kVecs = kRegs >= 32 ? 4 : 3;
+// Below this many rows the scores are dot products (score_dots), from it on a product with K^T (measured:
+// with 16-float vectors the transpose pays from 4 rows on, with 8-float ones from 8).
+constexpr int kTransposeRows = kLanes >= 16 ? 4 : 8;
+
+// c[m][0, nh * kLanes) (=, or += unless first) sum over x in [x0, x1) of a[m][x] * (b + off[x])[0, nh * kLanes)
+struct Tile {
+  const float* a[kRows];
+  float* c[kRows];
+  const float* b;
+  const int64_t* off;
+  int64_t x0, x1;
+  bool first;
+};
+
+template <int MR, int NH>
+void tile(const Tile& t) {
+  fv acc[MR][NH];
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < NH; ++h) acc[m][h] = t.first ? fv{} : loadv(t.c[m] + h * kLanes);
+  for (int64_t x = t.x0; x < t.x1; ++x) {
+    const float* bx = t.b + t.off[x];
+    fv bv[NH];
+    for (int h = 0; h < NH; ++h) bv[h] = loadv(bx + h * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const fv am = t.a[m][x] - fv{};  // a broadcast (x + 0 would not fold: -0 + 0 = +0)
+      for (int h = 0; h < NH; ++h) acc[m][h] += am * bv[h];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < NH; ++h) storev(t.c[m] + h * kLanes, acc[m][h]);
+}
+
+// tile<MR, NH> for every MR <= kRows, NH <= kVecs (the last block of rows or vectors may be short)
+typedef void (*TileFn)(const Tile&);
+template <size_t... I>
+constexpr std::array<TileFn, sizeof...(I)> tiles(std::index_sequence<I...>) {
+  return {&tile<int(I / kVecs) + 1, int(I % kVecs) + 1>...};
+}
+constexpr auto kTiles = tiles(std::make_index_sequence<kRows * kVecs>());
+
+// c rows [0, R) x vectors [0, nvec) by tiles: rows(r) and cols(r) give row r's left-hand and result
+// pointers; b + off[x] is the right-hand row x.
+template <class A, class C>
+void product(int64_t R, int64_t nvec, A rows, C cols, const float* b, const int64_t* off, int64_t x0, int64_t x1,
+             bool first) {
+  for (int64_t v0 = 0; v0 < nvec; v0 += kVecs) {
+    const int nh = int(std::min<int64_t>(kVecs, nvec - v0));
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+      const int mr = int(std::min<int64_t>(kRows, R - r0));
+      Tile t{{}, {}, b + v0 * kLanes, off, x0, x1, first};
+      for (int m = 0; m < mr; ++m) {
+        t.a[m] = rows(r0 + m);
+        t.c[m] = cols(r0 + m) + v0 * kLanes;
+      }
+      kTiles[(mr - 1) * kVecs + (nh - 1)](t);
+    }
+  }
+}
+
+// Shuffle masks built lane by lane in a fully unrolled loop: GCC folds them to constants, so each
+// __builtin_shuffle below is one or two permute instructions.
+template <class F>
+inline iv lanes(F f) {
+  iv m;
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) m[l] = f(l);
+  return m;
+}
+
+// In-register transpose of kLanes vectors (a[l][i] -> a[i][l]): log2(kLanes) rounds, each interleaving
+// vector i with vector i + kLanes / 2 (lanes 2n and 2n + 1 of the outputs 2i and 2i + 1 take lane n, resp.
+// kLanes / 2 + n, of the two); every round moves one bit of the lane index into the vector index.
+inline void transpose(fv* a) {
+  const iv lo = lanes([](int l) { return (l % 2) * kLanes + l / 2; });
+  const iv hi = lanes([](int l) { return (l % 2) * kLanes + kLanes / 2 + l / 2; });
+  for (int round = 1; round < kLanes; round *= 2) {
+    fv b[kLanes];
+    for (int i = 0; i < kLanes / 2; ++i) {
+      b[2 * i] = __builtin_shuffle(a[i], a[i + kLanes / 2], lo);
+      b[2 * i + 1] = __builtin_shuffle(a[i], a[i + kLanes / 2], hi);
+    }
+    for (int i = 0; i < kLanes; ++i) a[i] = b[i];
+  }
+}
+
+// kt[i * ld + s - a] = key(s)[i] for the slots s in [a, e), i < hd, in groups of kLanes slots (a group
+// past e repeats slot e - 1: scores computed, never read).
+void transpose_keys(const float* k, const int64_t* off, int64_t a, int64_t e, int64_t hd, float* kt, int64_t ld) {
+  for (int64_t s0 = a; s0 < e; s0 += kLanes) {
+    const float* ks[kLanes];
+    for (int l = 0; l < kLanes; ++l) ks[l] = k + off[std::min(s0 + l, e - 1)];
+    float* dst = kt + (s0 - a);
+    int64_t i = 0;
+    for (; i + kLanes <= hd; i += kLanes) {
+      fv x[kLanes];
+      for (int l = 0; l < kLanes; ++l) x[l] = loadv(ks[l] + i);
+      transpose(x);
+      for (int l = 0; l < kLanes; ++l) storev(dst + (i + l) * ld, x[l]);
+    }
+    for (; i < hd; ++i)
+      for (int l = 0; l < kLanes; ++l) dst[i * ld + l] = ks[l][i];
+  }
+}
+
+// One step of the shuffle tree, H = kLanes / 2, kLanes / 4, ..., 1: in each block of 2H lanes of the
+// result, the first H lanes are p's block folded in half (lane i + lane i + H), the last H q's.
+template <int H>
+inline fv fold(fv p, fv q) {
+  const iv lo = lanes([](int l) {
+    const int blk = l & ~(2 * H - 1), w = l & (2 * H - 1);
+    return w < H ? blk + w : kLanes + blk + w - H;  // index kLanes + i: lane i of q
+  });
+  return __builtin_shuffle(p, q, lo) + __builtin_shuffle(p, q, lo + H);
+}
+
+// a[0, N) -> a[0, N / 2): vector i folds a[i] with a[i + N / 2]; after all steps lane l of a[0] is the sum
+// of the lanes of the original a[l] (pairing i with i + N / 2 is what puts the sums in order).
+template <int N>
+inline void fold_all(fv* a) {
+  if constexpr (N > 1) {
+    for (int i = 0; i < N / 2; ++i) a[i] = fold<N / 2>(a[i], a[i + N / 2]);
+    fold_all<N / 2>(a);
+  }
+}
+
+// Few rows: dst[m][n] = q[m] . k[n] for MR rows and NS = kLanes / MR slots, n < n_ok (slots past the end
+// repeat the last one: computed, not stored). kLanes accumulators of partial products (4 query and NS key
+// vectors loaded per 4 * NS FMAs at MR = 4), summed by one shuffle tree of kLanes - 1 folds.
+template <int MR>
+inline void score_dots(const float* const* q, const float* const* k, int64_t hd, float* const* dst, int64_t n_ok) {
+  constexpr int NS = kLanes / MR;
+  fv acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= hd; i += kLanes) {
+    fv kv[NS];
+    for (int n = 0; n < NS; ++n) kv[n] = loadv(k[n] + i);
+    for (int m = 0; m < MR; ++m) {
+      const fv qv = loadv(q[m] + i);
+      for (int n = 0; n < NS; ++n) acc[m * NS + n] += qv * kv[n];
+    }
+  }
+  fold_all<kLanes>(acc);
+  fv sums = acc[0];  // lane m * NS + n: q[m] . k[n]
+  for (; i < hd; ++i)  // hd not a multiple of kLanes: the last columns lane by lane
+    for (int l = 0; l < kLanes; ++l) sums[l] += q[l / NS][i] * k[l % NS][i];
+  alignas(64) float d[kLanes];
+  storev(d, sums);
+  if (n_ok == NS)  // a whole tile: copies of a constant size
+    for (int m = 0; m < MR; ++m) std::memcpy(dst[m], d + m * NS, sizeof(float) * NS);
+  else
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < n_ok; ++n) dst[m][n] = d[m * NS + n];
+}
+
+// Slots per run: the run's transposed keys (scores) or value slices (output) stay in L1 (16 KiB) while
+// every block of rows uses them.
+inline int64_t run_slots(int64_t floats_per_slot) {
+  return std::max<int64_t>(16, (4096 / std::max<int64_t>(1, floats_per_slot)) / 16 * 16);
+}
+
+// Per-thread scratch of a work item.
+struct Scratch {
+  int64_t ld;                 // the scores' row stride: S rounded up to whole 16-slot chunks
+  std::vector<float> scores;  // R * ld
+  std::vector<int64_t> off;   // S: where slot s's key / value vector of the head starts
+  std::vector<int64_t> kx;    // hd: row i of the transposed keys (i * their row stride)
+  std::vector<float> kt;      // hd * run_slots(hd): a run of transposed keys
+  std::vector<float> inv;     // R: 1 / the row's softmax sum (0: a row that sees nothing)
+  explicit Scratch(const Shape& d)
+      : ld((d.S + 15) / 16 * 16), scores(d.T * d.G * ld), off(d.S), kx(d.hd), kt(d.hd * run_slots(d.hd)),
+        inv(d.T * d.G) {}
+};
+
+// One (b, j) work item.
 void attend(const float* q, const float* k, const float* v, const bool* mask, float* out, const Shape& d,
-            const Slots& at, float scale, int64_t b, int64_t j, float* scores) {
-  const int64_t T = d.T, G = d.G, hd = d.hd, S = d.S, KVH = d.KVH;
+            const Slots& at, float scale, int64_t b, int64_t j, Scratch& w) {
+  const int64_t T = d.T, G = d.G, hd = d.hd, S = d.S, KVH = d.KVH, ld = w.ld;
+  const int64_t R = T * G;
   const bool* mb = mask + b * T * S;
   // the slots any query row of this batch row may see: [0, smax)
   int64_t smax = 0;
@@ -104,12 +289,14 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
         smax = s + 1;
         break;
       }
-  const int64_t kstride = KVH * hd;
-  auto key = [&](int64_t s) { return k + at.index(b, s, d.Sc) * kstride + j * hd; };
-  auto val = [&](int64_t s) { return v + at.index(b, s, d.Sc) * kstride + j * hd; };
-  const int64_t rows = T * G;
-  auto qrow = [&](int64_t t, int64_t g) { return q + (((b * T + t) * KVH + j) * G + g) * hd; };
-  auto orow = [&](int64_t t, int64_t g) { return out + (((b * T + t) * KVH + j) * G + g) * hd; };
+  // where each slot's key / value vector of head j lives (the paged index's division once per slot)
+  int64_t* off = w.off.data();
+  for (int64_t s = 0; s < S; ++s) off[s] = at.index(b, s, d.Sc) * KVH * hd + j * hd;
+  // row r = t * G + g: the q and out rows of one t are contiguous
+  auto qrow = [&](int64_t r) { return q + ((b * T + r / G) * KVH + j) * G * hd + (r % G) * hd; };
+  auto orow = [&](int64_t r) { return out + ((b * T + r / G) * KVH + j) * G * hd + (r % G) * hd; };
+  float* scores = w.scores.data();
+  auto srow = [&](int64_t r) { return scores + r * ld; };
   const float neg = -std::numeric_limits<float>::infinity();
   // The slots read: spans of whole 16-slot chunks that some query row sees (an SSD tree step's rows see
   // their prefix and a few slots of the tree region past the cache's end, not the slots between). A
@@ -131,70 +318,122 @@ void attend(const float* q, const float* k, const float* v, const bool* mask, fl
     else
       spans.emplace_back(a, e);
   }
-  // scores: every key read once, dotted with all rows of the group
-  for (const auto& [a, e] : spans)
-    for (int64_t s = a; s < e; ++s) {
-      const float* ks = key(s);
-      for (int64_t t = 0; t < T; ++t) {
-        const bool vis = mb[t * S + s];
-        for (int64_t g = 0; g < G; ++g) scores[(t * G + g) * S + s] = vis ? scale * dot(qrow(t, g), ks, hd) : neg;
+  // raw scores q . k, in runs of slots whose keys stay in L1 while every block of rows uses them
+  const int64_t krun = run_slots(hd);
+  if (R >= kTransposeRows) {
+    // scores[r][a, e) = sum_i q[r][i] * kt[i]: whole vectors of slots (the last one past e lies in the
+    // row's padding or in slots no span covers)
+    for (int64_t i = 0; i < hd; ++i) w.kx[i] = i * krun;
+    for (const auto& [a0, e0] : spans)
+      for (int64_t a = a0; a < e0; a += krun) {
+        const int64_t e = std::min(e0, a + krun);
+        transpose_keys(k, off, a, e, hd, w.kt.data(), krun);
+        product(R, (e - a + kLanes - 1) / kLanes, qrow, [&](int64_t r) { return srow(r) + a; }, w.kt.data(),
+                w.kx.data(), 0, hd, true);
       }
-    }
-  // softmax per row over [0, smax) (rows that see nothing: uniform over all S)
-  std::vector<char> blind(rows, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* sr = scores + r * S;
-    float m = neg;
+  } else {
+    for (const auto& [a0, e0] : spans)
+      for (int64_t a = a0; a < e0; a += krun) {
+        const int64_t e = std::min(e0, a + krun);
+        for (int64_t r0 = 0; r0 < R;) {
+          const int mr = R - r0 >= 4 ? std::min(4, kLanes) : R - r0 >= 2 ? 2 : 1;
+          const int ns = kLanes / mr;
+          const float* qs[4];
+          for (int m = 0; m < mr; ++m) qs[m] = qrow(r0 + m);
+          for (int64_t s0 = a; s0 < e; s0 += ns) {
+            const float* ks[kLanes];
+            for (int n = 0; n < ns; ++n) ks[n] = k + off[std::min(s0 + n, e - 1)];
+            float* dst[4];
+            for (int m = 0; m < mr; ++m) dst[m] = srow(r0 + m) + s0;
+            const int64_t n_ok = std::min<int64_t>(ns, e - s0);
+            if (mr == 1)
+              score_dots<1>(qs, ks, hd, dst, n_ok);
+            else if (mr == 2)
+              score_dots<2>(qs, ks, hd, dst, n_ok);
+            else
+              score_dots<std::min(4, kLanes)>(qs, ks, hd, dst, n_ok);
+          }
+          r0 += mr;
+        }
+      }
+  }
+  // softmax per row over the spans: scale, mask (slots the row does not see: -inf), maximum, exponentials
+  // and their sum; 1 / sum scales the output row at the end. A row that sees nothing gets inv = 0 and
+  // zero probabilities, and the mean of all S values below.
+  typedef uint8_t bv __attribute__((vector_size(SSD_JAX_LANES)));
+  const fv negv = fv{} + neg;
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = srow(r);
+    const bool* vis = mb + (r / G) * S;
+    fv mv = negv;
+    int64_t s = 0;
     for (const auto& [a, e] : spans)
-      for (int64_t s = a; s < e; ++s) m = std::max(m, sr[s]);
+      for (s = a; s + kLanes <= e; s += kLanes) {
+        bv seen;
+        std::memcpy(&seen, vis + s, sizeof(seen));
+        const fv x = __builtin_convertvector(seen, iv) != 0 ? loadv(sr + s) * scale : negv;
+        storev(sr + s, x);
+        mv = mv < x ? x : mv;
+      }
+    float m = neg;
+    for (int l = 0; l < kLanes; ++l) m = std::max(m, mv[l]);
+    for (; s < smax; ++s) {
+      sr[s] = vis[s] ? scale * sr[s] : neg;
+      m = std::max(m, sr[s]);
+    }
     if (m == neg) {
-      blind[r] = 1;
+      for (const auto& [a, e] : spans) std::fill(sr + a, sr + e, 0.f);
+      w.inv[r] = 0.f;
       continue;
     }
     fv tot = fv{};
-    int64_t s = 0;
-    for (const auto& [a, b] : spans)
-      for (s = a; s + kLanes <= b; s += kLanes) {
-        const fv e = exp_neg(loadv(sr + s) - m);
-        storev(sr + s, e);
-        tot += e;
+    for (const auto& [a, e] : spans)
+      for (s = a; s + kLanes <= e; s += kLanes) {
+        const fv x = exp_neg(loadv(sr + s) - m);
+        storev(sr + s, x);
+        tot += x;
       }
     float sum = 0.f;
     for (int l = 0; l < kLanes; ++l) sum += tot[l];
     for (; s < smax; ++s) {
-      const float e = sr[s] == neg ? 0.f : std::exp(sr[s] - m);
-      sr[s] = e;
-      sum += e;
+      const float x = sr[s] == neg ? 0.f : std::exp(sr[s] - m);
+      sr[s] = x;
+      sum += x;
     }
-    const float inv = 1.f / sum;
-    for (const auto& [a, b] : spans)
-      for (s = a; s < b; ++s) sr[s] *= inv;
+    w.inv[r] = 1.f / sum;
   }
-  // output: every value read once, accumulated into all rows of the group
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < G; ++g) std::memset(orow(t, g), 0, sizeof(float) * hd);
-  for (const auto& [a, b] : spans)
-    for (int64_t s = a; s < b; ++s) {
-      const float* vs = val(s);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = t * G + g;
-          const float p = scores[r * S + s];
-          if (blind[r] || p == 0.f) continue;
-          float* o = orow(t, g);
-          int64_t i = 0;
-          for (; i + kLanes <= hd; i += kLanes) storev(o + i, loadv(o + i) + p * loadv(vs + i));
-          for (; i < hd; ++i) o[i] += p * vs[i];
+  // output rows = P . V, in runs of slots whose value slices stay in L1 while every block of rows uses
+  // them (a run's tiles continue from the previous run's stores)
+  const int64_t nvec = hd / kLanes;  // whole vectors per row; the rest (hd % kLanes) lane by lane
+  const int64_t vrun = run_slots(kVecs * kLanes);
+  bool first = true;
+  for (const auto& [a0, e0] : spans)
+    for (int64_t a = a0; a < e0; a += vrun, first = false) {
+      const int64_t e = std::min(e0, a + vrun);
+      product(R, nvec, srow, orow, v, off, a, e, first);
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = orow(r);
+        const float* p = srow(r);
+        for (int64_t i = nvec * kLanes; i < hd; ++i) {
+          float x = first ? 0.f : o[i];
+          for (int64_t s = a; s < e; ++s) x += p[s] * v[off[s] + i];
+          o[i] = x;
         }
+      }
     }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      if (!blind[t * G + g]) continue;
-      float* o = orow(t, g);
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t i = 0; i < hd; ++i) o[i] += val(s)[i];
-      for (int64_t i = 0; i < hd; ++i) o[i] /= float(S);
+  for (int64_t r = 0; r < R; ++r) {
+    float* o = orow(r);
+    const float inv = w.inv[r];
+    if (inv != 0.f) {
+      for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
+      continue;
     }
+    // sees nothing: the mean of all S values
+    std::fill(o, o + hd, 0.f);
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t i = 0; i < hd; ++i) o[i] += v[off[s] + i];
+    for (int64_t i = 0; i < hd; ++i) o[i] /= float(S);
+  }
 }
 
 struct Work {
@@ -209,9 +448,9 @@ struct Work {
   std::atomic<int64_t> done{0};
 
   void drain() {
-    std::vector<float> scores(d.T * d.G * d.S);
+    Scratch scratch(d);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      attend(q, k, v, mask, out, d, at, scale, i / d.KVH, i % d.KVH, scores.data());
+      attend(q, k, v, mask, out, d, at, scale, i / d.KVH, i % d.KVH, scratch);
       done.fetch_add(1, std::memory_order_release);
     }
   }
