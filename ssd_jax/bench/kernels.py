@@ -36,6 +36,9 @@ MODELS = {
     "smollm2-135m-instruct": (576, 1536, 49152, 576, 192, 3, 64),
     "qwen2.5-coder-1.5b-instruct": (1536, 8960, 151936, 1536, 256, 2, 128),
 }
+LAYERS = {"smollm2-135m-instruct": 30, "qwen2.5-coder-1.5b-instruct": 28}
+#: products per layer of each matrix role (q and o, k and v, gate and up, down); the head once per forward
+PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
 TOTAL_BYTES = 300e6
 
 
@@ -248,6 +251,21 @@ def _env() -> dict:
     }
 
 
+def predicted_forward(rows: list[dict], model: str, impl: str, t: int) -> float | None:
+    """The forward at T new tokens (batch 1) predicted from the parts measured alone: per layer its
+    products at M = T rows and its attention at T, times the layers, plus the head; None where a part is
+    missing. Everything else in a forward (norms, RoPE, the cache write, the embedding) is left out, so
+    the prediction's ratio to T = 1 assumes those cost nothing."""
+    mm = {r["role"]: r["cells"] for r in rows if r["part"] == "matmul" and r["model"] == model}
+    at = next((r["cells"] for r in rows if r["part"] == "attention" and r["model"] == model), None)
+    try:
+        layer = sum(n * mm[role][f"{impl} M={t}"]["median_s"] for role, n in PER_LAYER.items())
+        layer += at[f"{impl} T={t}"]["median_s"] if at else 0.0
+        return LAYERS[model] * layer + mm["lm_head"][f"{impl} M={t}"]["median_s"]
+    except (KeyError, TypeError):
+        return None
+
+
 def render(res: dict) -> str:
     env = res["env"]
     lines = [
@@ -304,8 +322,12 @@ def render(res: dict) -> str:
             "## Whole forward + head at T new tokens (ms; x = / T=1: a T-token verify against the decode step)",
             "",
         ]
-        lines.append("| model | cores | build | " + " | ".join(f"T={t}" for t in show) + " | forms | load |")
-        lines.append("|---|---|---|" + "---|" * len(show) + "---|---|")
+        lines.append(
+            "| model | cores | build | "
+            + " | ".join(f"T={t}" for t in show)
+            + " | predicted T=5 / T=1 | forms | load |"
+        )
+        lines.append("|---|---|---|" + "---|" * len(show) + "---|---|---|")
         for r in fw:
             one = r["cells"]["T=1"]
             cells = []
@@ -318,10 +340,13 @@ def render(res: dict) -> str:
                 elif lo == lo:  # not nan
                     s += f" [{lo * 1e3:.1f}, {hi * 1e3:.1f}]"
                 cells.append(s)
+            impl = r["build"].split("-")[0]  # the matmul / attention parts: xla-avx2 -> xla
+            p1, p5 = (predicted_forward(res["rows"], r["model"], impl, t) for t in (1, 5))
+            pred = f"x{p5 / p1:.2f} ({p1 * 1e3:.1f} ms at T=1)" if p1 and p5 and r["cores"] == 2 else "-"
             lines.append(
                 f"| {r['model'].split('-instruct')[0]} | {r['cores']} | {r['build']} | "
                 + " | ".join(cells)
-                + f" | {r['forms']} | {min(r['load']):.2f}-{max(r['load']):.2f} |"
+                + f" | {pred} | {r['forms']} | {min(r['load']):.2f}-{max(r['load']):.2f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -339,12 +364,18 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", default="1,2", help="forward: the core counts to run on, e.g. 1,2")
     ap.add_argument("--out", default="experiments/results")
     ap.add_argument("--tag", default="", help="a suffix for the results file")
+    ap.add_argument("--render", metavar="JSON", help="only re-render a results file's markdown table")
     ap.add_argument("--child-forward", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     if a.child_forward:  # pin first: XLA sizes its thread pool by the cores it may use
         os.sched_setaffinity(0, {int(c) for c in a.cores.split(",")})
         print(json.dumps(child_forward(a.child_forward, a.ts, a.reps, a.context)))
+        return 0
+
+    if a.render:
+        res = json.loads(Path(a.render).read_text())
+        Path(a.render).with_suffix(".md").write_text(render(res) + "\n")
         return 0
 
     from ssd_jax.models import kernels

@@ -196,11 +196,15 @@ def refine(cfg, prior, timer=time_forms):
 def describe(forms) -> str:
     """A short account of the forms for the plan line: ``decode right; verify kernel (q/o k/v ...)``."""
     from ssd_jax.models import forms as F
+    from ssd_jax.models import kernels
 
     parts = []
     for bucket, i in (("decode", 0), ("verify", 1)):
         by: dict[str, list[str]] = {}
         for trole, roles in F.TABLE_ROLES.items():
-            by.setdefault(getattr(forms, roles[0]).orders[i], []).append(trole)
+            order = getattr(forms, roles[0]).orders[i]
+            if order == "kernel" and not kernels.available():
+                order = "right"  # what runs: forms.contract falls back to XLA's dot
+            by.setdefault(order, []).append(trole)
         parts.append(f"{bucket} " + ", ".join(f"{o} ({' '.join(r)})" for o, r in by.items()))
     return "; ".join(parts)
