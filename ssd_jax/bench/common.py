@@ -11,8 +11,9 @@ from typing import Any
 
 
 def environment() -> dict:
-    """JAX version, backend, devices, cores, Python, git commit, load average and the XLA flags in
-    effect (``XLA_FLAGS``; ``cpu_memory_scheduler``: see :mod:`ssd_jax.xla_env`): stored with every result."""
+    """JAX version, backend, devices, cores, Python, git commit, load average, the CPU kernels' build and
+    the XLA flags in effect (``XLA_FLAGS``; ``cpu_memory_scheduler``: see :mod:`ssd_jax.xla_env`): stored
+    with every result."""
     import jax
 
     from ssd_jax import xla_env
@@ -24,7 +25,13 @@ def environment() -> dict:
     except OSError:
         commit = ""
     dev = jax.devices()[0]
+    kernels_build = "off"
+    if jax.default_backend() == "cpu":
+        from ssd_jax.models import kernels
+
+        kernels_build = kernels.isa()  # the CPU kernels' build and what it targets (issue 54)
     return {
+        "kernels": kernels_build,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device_kind": dev.device_kind,
