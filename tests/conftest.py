@@ -34,6 +34,12 @@ if os.environ.get("SSD_JAX_TEST_XLA_OPT", "0") != "1":
 os.environ.setdefault("SSD_JAX_TEST_XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}".strip())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The shipped forms table, not the machine's measurement (ssd_jax.models.form_timing), for every model the
+# suite loads: the measurement times products for seconds per model and is keyed by XLA_FLAGS and the cache
+# folder, which differ between the suite's processes and tests, so it ran again and again (109 measurements
+# in one run), and under the suite's compile-speed XLA flags it would measure nothing a user runs. Its
+# choice and cache are tested with timing doubles (test_forms.py); the benchmarks measure it for real.
+os.environ.setdefault("SSD_JAX_FORMS", "table")
 # One persistent compilation cache for the whole run: both xdist workers and every subprocess the
 # tests start (CLI, launcher, server, GPU-script smoke run) compile many of the same tiny programs, and
 # an engine built again in the same process compiles its programs again (each has jits of its own):

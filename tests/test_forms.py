@@ -211,6 +211,7 @@ def test_measured_forms_pick_xla_where_the_kernel_is_timed_slower(monkeypatch, t
     from ssd_jax.models import kernels
 
     monkeypatch.setenv("SSD_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("SSD_JAX_FORMS", raising=False)  # the suite runs with "table" (conftest.py)
     monkeypatch.setattr(kernels, "available", lambda: True)
     cfg = _big_cfg()
     prior = F.from_table(F.load_table(), F.table_shapes(cfg))
@@ -240,6 +241,7 @@ def test_measured_forms_are_cached_per_build_and_skipped_on_request(monkeypatch,
     from ssd_jax.models import kernels
 
     monkeypatch.setenv("SSD_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("SSD_JAX_FORMS", raising=False)  # the suite runs with "table" (conftest.py)
     monkeypatch.setattr(kernels, "available", lambda: True)
     calls = []
 

@@ -266,16 +266,9 @@ def predicted_forward(rows: list[dict], model: str, impl: str, t: int) -> float 
         return None
 
 
-def render(res: dict) -> str:
-    env = res["env"]
-    lines = [
-        f"# CPU kernels against XLA ({env['date']}, commit {env['git_commit']})",
-        "",
-        f"CPU: {env['cpu_model']}; AVX-512: {'avx512f' in env['isa_flags']}; flags: {' '.join(env['isa_flags'])}. "
-        f"Builds: {', '.join(f'{b} = {s}' for b, s in res['builds'].items())}. Cells are medians (ms); "
-        "ratios are to the same implementation's M = 1 / T = 1.",
-        "",
-    ]
+def _render_matmul(res: dict) -> list[str]:
+    """The matmul table."""
+    lines: list[str] = []
     mm = [r for r in res["rows"] if r["part"] == "matmul"]
     if mm:
         impls = sorted({k.split(" M=")[0] for k in mm[0]["cells"]}, key=lambda s: (s != "xla", s))
@@ -298,6 +291,12 @@ def render(res: dict) -> str:
                     + f" | {r['load'][0]:.2f} |"
                 )
         lines.append("")
+    return lines
+
+
+def _render_attention(res: dict) -> list[str]:
+    """The attention table."""
+    lines: list[str] = []
     at = [r for r in res["rows"] if r["part"] == "attention"]
     if at:
         impls = sorted({k.split(" T=")[0] for k in at[0]["cells"]}, key=lambda s: (s != "xla", s))
@@ -314,6 +313,12 @@ def render(res: dict) -> str:
                     + " |"
                 )
         lines.append("")
+    return lines
+
+
+def _render_forward(res: dict) -> list[str]:
+    """The forward table, with the prediction from the parts."""
+    lines: list[str] = []
     fw = [r for r in res["rows"] if r["part"] == "forward"]
     if fw:
         ts = sorted({int(k.split("T=")[1]) for k in fw[0]["cells"]})
@@ -349,6 +354,20 @@ def render(res: dict) -> str:
                 + f" | {pred} | {r['forms']} | {min(r['load']):.2f}-{max(r['load']):.2f} |"
             )
         lines.append("")
+    return lines
+
+
+def render(res: dict) -> str:
+    env = res["env"]
+    lines = [
+        f"# CPU kernels against XLA ({env['date']}, commit {env['git_commit']})",
+        "",
+        f"CPU: {env['cpu_model']}; AVX-512: {'avx512f' in env['isa_flags']}; flags: {' '.join(env['isa_flags'])}. "
+        f"Builds: {', '.join(f'{b} = {s}' for b, s in res['builds'].items())}. Cells are medians (ms); "
+        "ratios are to the same implementation's M = 1 / T = 1.",
+        "",
+    ]
+    lines += _render_matmul(res) + _render_attention(res) + _render_forward(res)
     return "\n".join(lines)
 
 

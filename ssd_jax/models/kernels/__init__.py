@@ -214,6 +214,23 @@ def _check_isa(name: str, said: str) -> None:
             raise RuntimeError(f"the native build targets {said!r} on a CPU with {want}")
 
 
+def _load(isa: str, suffix: str = "") -> tuple[Path, str]:
+    """Build ``isa``, load it, check what it targets and register its FFI targets (named ``<target><suffix>``);
+    (its path, what it says it targets)."""
+    path = build(isa=isa)
+    lib = ctypes.CDLL(str(path))
+    said = library_isa(lib)
+    _check_isa(isa, said)
+    for target, symbol in (
+        (TARGET, SYMBOL),
+        (TARGET_BF16, SYMBOL_BF16),
+        (TARGET_ATTENTION, SYMBOL_ATTENTION),
+        (TARGET_PAGED_ATTENTION, SYMBOL_PAGED_ATTENTION),
+    ):
+        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return path, said
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernel can be called here (enabled, built, loaded, registered with XLA:CPU)."""
@@ -225,17 +242,7 @@ def available() -> bool:
         name = isa_wanted()
         if name == "avx2" and cpu_flags() and not {"avx2", "fma"} <= cpu_flags():
             raise RuntimeError("this CPU has no AVX2 and FMA for the avx2 build")
-        path = build(isa=name)
-        lib = ctypes.CDLL(str(path))
-        said = library_isa(lib)
-        _check_isa(name, said)
-        for target, symbol in (
-            (TARGET, SYMBOL),
-            (TARGET_BF16, SYMBOL_BF16),
-            (TARGET_ATTENTION, SYMBOL_ATTENTION),
-            (TARGET_PAGED_ATTENTION, SYMBOL_PAGED_ATTENTION),
-        ):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        path, said = _load(name)
         _LOADED.append(path)
         _ISA.append(f"{name}: {said}")
         return True
@@ -280,18 +287,7 @@ def variant(isa: str) -> Variant:
     RuntimeError where it cannot build or run here."""
     if isa not in runnable_isas():
         raise RuntimeError(f"this CPU cannot run the {isa} build")
-    path = build(isa=isa)
-    lib = ctypes.CDLL(str(path))
-    said = library_isa(lib)
-    _check_isa(isa, said)
-    for target, symbol in (
-        (TARGET, SYMBOL),
-        (TARGET_BF16, SYMBOL_BF16),
-        (TARGET_ATTENTION, SYMBOL_ATTENTION),
-    ):
-        jax.ffi.register_ffi_target(
-            f"{target}_{isa}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
-        )
+    path, said = _load(isa, suffix=f"_{isa}")
     return Variant(isa, said, path)
 
 
