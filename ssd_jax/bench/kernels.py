@@ -266,13 +266,19 @@ def predicted_forward(rows: list[dict], model: str, impl: str, t: int) -> float 
         return None
 
 
+def _axes(cells: dict, axis: str) -> tuple[list[str], list[int]]:
+    """A part's implementations (XLA first) and its values of ``axis`` ("M" or "T"), read from its cell names
+    (``"<impl> M=5"``)."""
+    impls = sorted({k.split(f" {axis}=")[0] for k in cells}, key=lambda s: (s != "xla", s))
+    return impls, sorted({int(k.split(f"{axis}=")[1]) for k in cells})
+
+
 def _render_matmul(res: dict) -> list[str]:
     """The matmul table."""
     lines: list[str] = []
     mm = [r for r in res["rows"] if r["part"] == "matmul"]
     if mm:
-        impls = sorted({k.split(" M=")[0] for k in mm[0]["cells"]}, key=lambda s: (s != "xla", s))
-        rows = sorted({int(k.split("M=")[1]) for k in mm[0]["cells"]})
+        impls, rows = _axes(mm[0]["cells"], "M")
         show = [m for m in rows if m in (1, 2, 5, 8, 16)]
         lines += ["## Matmul, one call (ms; x = / M=1)", ""]
         lines.append("| model | W (out x in) | impl | " + " | ".join(f"M={m}" for m in show) + " | load |")
@@ -299,8 +305,7 @@ def _render_attention(res: dict) -> list[str]:
     lines: list[str] = []
     at = [r for r in res["rows"] if r["part"] == "attention"]
     if at:
-        impls = sorted({k.split(" T=")[0] for k in at[0]["cells"]}, key=lambda s: (s != "xla", s))
-        ts = sorted({int(k.split("T=")[1]) for k in at[0]["cells"]})
+        impls, ts = _axes(at[0]["cells"], "T")
         show = [t for t in ts if t in (1, 2, 4, 5, 8, 16)]
         lines += ["## Attention of T new tokens over the context (us)", ""]
         lines.append("| model | context | impl | " + " | ".join(f"T={t}" for t in show) + " |")
@@ -321,7 +326,7 @@ def _render_forward(res: dict) -> list[str]:
     lines: list[str] = []
     fw = [r for r in res["rows"] if r["part"] == "forward"]
     if fw:
-        ts = sorted({int(k.split("T=")[1]) for k in fw[0]["cells"]})
+        _, ts = _axes(fw[0]["cells"], "T")
         show = [t for t in ts if t in (1, 2, 5, 8, 16)]
         lines += [
             "## Whole forward + head at T new tokens (ms; x = / T=1: a T-token verify against the decode step)",

@@ -161,11 +161,9 @@ def resolve(cfg, forms=None):
     from ssd_jax.models import forms as F
 
     got = F.resolve(cfg, forms)
-    asked = forms if isinstance(forms, str) else None if forms is None else "given"
-    asked = asked or os.environ.get("SSD_JAX_FORMS") or "auto"
-    if asked != "auto" or jax.default_backend() != "cpu":
+    if isinstance(forms, F.Forms) or jax.default_backend() != "cpu":
         return got
-    return refine(cfg, got)
+    return refine(cfg, got) if (forms or os.environ.get("SSD_JAX_FORMS") or "auto") == "auto" else got
 
 
 def refine(cfg, prior, timer=time_forms):
