@@ -45,3 +45,38 @@ def test_ssd_runs_its_draft_in_a_process_of_its_own(monkeypatch):
     assert ssd[ssd.index("--draft") + 1] == "smollm2-135m-draft"
     assert ssd[ssd.index("--draft-devices") + 1] == "1"
     assert ssd[2:6] == ["ssd_jax.launch", "--processes", "2", "--cpus-per-process"]
+
+
+def test_a_launched_ssd_that_declines_runs_again_in_one_process_on_every_core(monkeypatch, capsys):
+    """SSD's launched plan, priced against AR on both cores, chose AR rounds: AR on one core would be the
+    row, slower than the AR row. The demo runs SSD again in one process, under that layout's own plan."""
+    ref = {"cores": 2, "t_ar": 0.02, "source": "cache"}
+    launched = {
+        "chosen": {"k": 1, "ar_rounds": True},
+        "predicted": {"ar_reference": ref},
+        "choice": "AR rounds (predicted 0.94x)",
+        "line": "plan: ssd AR rounds",
+    }
+    one = {"chosen": {"k": 1, "ar_rounds": True}, "choice": "AR rounds (predicted 0.70x)"}
+    ran = []
+
+    def fake_run(cmd):
+        ran.append(cmd)
+        if "--method" not in cmd:
+            return _res([1, 2, 3])
+        method = cmd[cmd.index("--method") + 1]
+        if method == "sd":
+            return _res([1, 2, 3], draft="e", plan={"chosen": {"k": 1}, "choice": "sd K=1"})
+        return _res([1, 2, 3], draft="d", plan=launched if "ssd_jax.launch" in cmd else one)
+
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(demo, "_run", fake_run)
+    assert demo.run(["--tokens", "4"]) == 0
+    assert len(ran) == 4 and "ssd_jax.launch" in ran[2] and "ssd_jax.launch" not in ran[3]
+    row = capsys.readouterr().out.splitlines()
+    ssd = next(r for r in row if r.startswith("| ssd |"))
+    assert "AR rounds (predicted 0.70x), one process (its own core: AR rounds (predicted 0.94x))" in ssd
+    # a launched run that speculates, or declines without the whole-machine price, is the row as it ran
+    launched["predicted"] = {}
+    ran.clear()
+    assert demo.run(["--tokens", "4"]) == 0 and len(ran) == 3

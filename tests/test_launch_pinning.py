@@ -103,7 +103,7 @@ def test_ssd_with_each_process_on_its_own_core_emits_ar_tokens(
     tiny_llama_path, tiny_llama_draft_path, ar_run
 ):
     cmd = launch_cmd(
-        *ssd_decode_args(tiny_llama_path, tiny_llama_draft_path, IDS, N_NEW, 3), cpus_per_process=1
+        *ssd_decode_args(tiny_llama_path, tiny_llama_draft_path, IDS, N_NEW, "auto"), cpus_per_process=1
     )
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=launch_env())
     assert p.returncode == 0, p.stderr[-3000:]
@@ -117,3 +117,24 @@ def test_ssd_with_each_process_on_its_own_core_emits_ar_tokens(
     assert (dev["target_processes"], dev["draft_processes"]) == ([0], [1])
     assert (dev["target_cpus"], dev["draft_cpus"]) == ([a], [b])
     assert re.search(rf"^\[launch\] process 1 pid \d+ cpus {b}$", p.stderr, re.M), p.stderr[-2000:]
+    # K auto prices SSD against AR on both cores (timed once in a child of process 0), not on core a alone
+    ref = m["plan"]["predicted"]["ar_reference"]
+    assert ref["cores"] == 2 and ref["t_ar"] > 0 and ref["source"] in ("measured", "cache")
+    assert "priced against AR on all 2 cores" in m["plan"]["line"]
+
+
+def test_launched_processes_name_every_core_given_out_and_a_reference_child_runs_alone(monkeypatch):
+    from ssd_jax.cli.launch import process_env
+    from ssd_jax.planning import reference
+
+    base = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_force_host_platform_device_count=4"}
+    env = process_env(0, 2, 1, 1234, "cpu", base, [0], [0, 1])
+    assert (env[CPUS_ENV], env[reference.MACHINE_CPUS_ENV]) == ("0", "0,1")
+    assert reference.MACHINE_CPUS_ENV not in process_env(0, 2, 1, 1234, "cpu", base)  # not pinned: none
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert reference.machine_cores() == [0, 1]
+    child = reference.child_env([0, 1])
+    assert child[CPUS_ENV] == "0,1" and child["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"  # one device, same ISA
+    assert not {"JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", reference.MACHINE_CPUS_ENV} & set(child)
+    assert not reference.needed()  # this test process is not pinned by the launcher

@@ -4,7 +4,9 @@ its draft model in a JAX process of its own (``python -m ssd_jax.launch --proces
 --cpus-per-process 1``: the target on core 0, the draft on core 1). Each method runs as its own
 ``python -m ssd_jax.decode --json`` and the table says whether its tokens equal AR's and, beside each
 row, the plan's choice: its K, or AR rounds where no speculation is predicted to beat AR by more than
-the planner's error (K auto).
+the planner's error (K auto). The launched SSD prices itself against AR on both cores; where that
+declines (the draft's core would serve AR better), the SSD row is run again in one process on every
+core, under that layout's own plan, and the row names both choices.
 
 One prompt and one run each: an anecdote, not a benchmark (the benchmarks: docs/benchmarking.md).
 """
@@ -62,7 +64,15 @@ def _commands(args) -> dict[str, list[str]]:
         "ssd": [*py, *launch, "decode", *common, *ssd]
         if cpus >= 2
         else [*py, "ssd_jax.decode", *common, *ssd[:4]],
+        "ssd-one-process": [*py, "ssd_jax.decode", *common, *ssd[:4]],
     }
+
+
+def _declined_launch(result: dict) -> bool:
+    """Whether SSD's launched run chose AR rounds: its plan, priced against AR on both cores, found its
+    own core too little (planning/reference.py). AR then belongs on the whole machine, in one process."""
+    plan = result["metrics"].get("plan") or {}
+    return bool(plan.get("chosen", {}).get("ar_rounds") and (plan.get("predicted") or {}).get("ar_reference"))
 
 
 def table(results: dict[str, dict]) -> str:
@@ -95,10 +105,22 @@ def run(argv=None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args(argv)
-    results = {}
-    for name, cmd in _commands(args).items():
+    results, cmds = {}, _commands(args)
+    one_process = cmds.pop("ssd-one-process")
+    for name, cmd in cmds.items():
         print(f"[demo] {name} ...", file=sys.stderr, flush=True)
         results[name] = _run(cmd)
+    if _declined_launch(launched := results["ssd"]):  # SSD where its plan puts it: one process, all cores
+        print(f"[demo] ssd, launched: {launched['metrics']['plan']['line']}", file=sys.stderr)
+        print(
+            "[demo] ssd again in one process (its plan there: AR rounds on every core, or SSD) ...",
+            file=sys.stderr,
+        )
+        results["ssd"] = _run(one_process)
+        plan = results["ssd"]["metrics"].get("plan") or {}
+        plan["choice"] = (
+            f"{plan.get('choice', '-')}, one process (its own core: {launched['metrics']['plan']['choice']})"
+        )
     print(f"\n{args.prompt}\n\n{results['ar']['outputs'][0]['text'].strip()}\n")
     print(table(results))
     print("\nOne prompt, one greedy run each (an anecdote; the benchmarks: docs/benchmarking.md).")

@@ -14,7 +14,9 @@ process 0 and the draft on process 1.
 (``os.sched_getaffinity``, sorted), through ``SSD_JAX_CPUS``, which ``import ssd_jax`` applies
 before JAX starts (:mod:`ssd_jax.xla_env`; XLA sizes its thread pool from it). SSD's draft then
 computes on hardware of its own, as the target's verify does (on a GPU machine each process gets
-its own GPUs already). Without it every process may use every core.
+its own GPUs already). Without it every process may use every core. Every process also gets
+``SSD_JAX_MACHINE_CPUS``, all the cores given out: SSD's plan is priced against AR on all of them
+(:mod:`ssd_jax.planning.reference`).
 
 Process 0's stdout is forwarded as it is (so ``--json`` output parses); every process's stderr
 (and the other processes' stdout) goes to stderr, each line prefixed ``[pN]``. When a process
@@ -111,13 +113,22 @@ def assign_cpus(processes: int, per: int, available=None) -> list[list[int]]:
 
 
 def process_env(
-    i: int, n: int, per: int, port: int, platform: str, base: dict, cpus: list[int] | None = None
+    i: int,
+    n: int,
+    per: int,
+    port: int,
+    platform: str,
+    base: dict,
+    cpus: list[int] | None = None,
+    machine: list[int] | None = None,
 ) -> dict:
     env = dict(base)
     if cpus is not None:  # applied by ssd_jax.xla_env on import, before JAX starts
         from ssd_jax.xla_env import CPUS_ENV
 
         env[CPUS_ENV] = ",".join(map(str, cpus))
+    if machine is not None:  # every launched process's cores: what AR would run on (planning/reference.py)
+        env["SSD_JAX_MACHINE_CPUS"] = ",".join(map(str, sorted(machine)))
     env.update(
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
         JAX_NUM_PROCESSES=str(n),
@@ -177,6 +188,7 @@ def run(argv=None) -> int:
         if args.cpus_per_process is not None
         else [None] * args.processes
     )
+    machine = sorted({c for pin in pins for c in pin}) if args.cpus_per_process is not None else None
     port = args.port or free_port()
     cmd = [sys.executable, "-m", COMMANDS[args.command], "--distributed", *args.args]
     out_b, err_b = sys.stdout.buffer, sys.stderr.buffer
@@ -184,7 +196,9 @@ def run(argv=None) -> int:
     for i in range(args.processes):
         p = subprocess.Popen(
             cmd,
-            env=process_env(i, args.processes, args.devices_per_process, port, platform, os.environ, pins[i]),
+            env=process_env(
+                i, args.processes, args.devices_per_process, port, platform, os.environ, pins[i], machine
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

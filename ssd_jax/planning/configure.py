@@ -36,6 +36,7 @@ from ssd_jax.drafters.base import check_same_tokenizer
 from ssd_jax.drafters.eagle import is_eagle, load_eagle
 from ssd_jax.errors import UserError
 from ssd_jax.parallel.distributed import agree, multi_process
+from ssd_jax.planning import reference
 from ssd_jax.planning.head_model import choose_head_k
 from ssd_jax.planning.policy import SERVING_MARGIN, BucketPlans, BucketSwitch, KPlan, beats_ar
 from ssd_jax.planning.records import Calibration, Calibrator
@@ -112,9 +113,11 @@ class Plan:
         m, p = self.measured or {}, self.predicted or {}
         if self.ar_rounds:
             b = p["best_speculation"]
+            r = p.get("ar_reference")
+            where = f" on all {r['cores']} cores (run it unlaunched for AR on them)" if r else " here"
             cfg = f"K={b['k']}" + (f" budget={b['budget']}" if b.get("budget") is not None else "")
             out += (
-                f" AR rounds: the best speculation ({cfg}) is predicted at {b['expected_speedup']:.2f}x AR here, "
+                f" AR rounds: the best speculation ({cfg}) is predicted at {b['expected_speedup']:.2f}x AR{where}, "
                 f"not above AR by more than the planner's {c.get('margin', SERVING_MARGIN):.0%} error"
             )
         else:
@@ -135,6 +138,8 @@ class Plan:
                 out += f", t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
             if m.get("t_draft_step") or m.get("t_head"):
                 out += f", draft step {1e3 * (m.get('t_draft_step') or m['t_head']):.2f} ms"
+        if r := p.get("ar_reference"):  # SSD's processes split the cores: AR would have them all
+            out += f"; priced against AR on all {r['cores']} cores: t_ar {1e3 * r['t_ar']:.2f} ms ({r['source']})"
         if m.get("round_overhead"):
             o = m["round_overhead"]
             out += f"; SSD fixed cost +{1e3 * max(0.0, o['ssd_s'] - o['sd_s']):.2f} ms/round over SD's ({o['source']})"
@@ -273,13 +278,19 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
     t0 = time.perf_counter()
     draft = spec.draft if spec.draft not in ("ngram", "random") else None
     cal = calibrator.record(spec, draft, rows)
-    sp = speedups_of(cal)
+    priced, ref = cal, None
+    if spec.method == "ssd" and multi_process() and two_meshes(spec) and reference.needed():
+        ref = reference.agreed_step(calibrator.model, rows)  # AR on all the launcher's cores, not this one's
+        priced = dataclasses.replace(cal, costs=dataclasses.replace(cal.costs, t_ar=ref["t_ar"]))
+    sp = speedups_of(priced)
     k, extra = best_k(sp), {}
-    if (best := ssd_best(cal, spec, rows, calibrator.overhead)) is not None:  # SSD: K, budget, miss path
+    if (best := ssd_best(priced, spec, rows, calibrator.overhead)) is not None:  # SSD: K, budget, miss path
         k = best["k"]
         if spec.fan_out == "geometric" and spec.fan_out_budget is None:
             spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
         extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec), "backup_given": spec.backup}
+        if ref is not None:
+            extra["ar_reference"] = ref
         if spec.backup == "auto" and two_meshes(spec):  # the plan's miss path (on one device auto is neural)
             spec = dataclasses.replace(spec, backup="neural" if best["backup"] == "neural" else "ngram")
     policy = None
@@ -371,6 +382,8 @@ def _plan(spec, cal: Calibration | None, k_auto, draft_auto, policy, spent: floa
         }
         if ssd:
             predicted["ssd_round"] = ssd
+            if k_auto.get("ar_reference"):
+                predicted["ar_reference"] = k_auto["ar_reference"]
             predicted["miss_path"] = {
                 "speedups": ssd["miss_path"],
                 "batch": ssd["batch"],
