@@ -5,6 +5,11 @@ argument shapes is seen, records how long that took (reported as ``compile_s``),
 calls the executable directly, so that a generation loop can never recompile behind the user's
 back. Every device step of the project (model steps, drafters, SD / SSD rounds) is one.
 
+:func:`program_factory` memoizes the functions that build them (one :class:`Compiled` per key) in
+a :class:`ProgramCache`, where every program an engine asked for while warming up stays for as long
+as the engine does; :class:`XlaCompiles` counts what XLA compiles, so that a server can show (and a
+test assert) that it compiled nothing once it was warm.
+
 :func:`use_persistent_cache` turns on JAX's persistent compilation cache for a run (every CLI and
 the server call it through :func:`ssd_jax.errors.cli_main`), so that a second run loads its
 programs instead of compiling them again.
@@ -12,15 +17,23 @@ programs instead of compiling them again.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import hashlib
+import logging
 import os
 import platform
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+
+log = logging.getLogger(__name__)
 
 
 def _leaf_key(x):
@@ -79,6 +92,175 @@ class Compiled:
             exe = self._exe[key]
         self._last = exe
         return exe(*args)
+
+
+class ProgramCache:
+    """The memo of the compiled-program factories (:func:`program_factory`): one :class:`Compiled` per
+    factory and arguments, so that every engine of a process shares a program once it is compiled.
+
+    The keys a server can call are bounded by its configuration (windows x batch buckets x modes x
+    Ks x kinds), and an engine warms every one of them; a least-recently-used bound of a fixed size
+    evicted some of those on large configurations (``--context-buckets 6 --batch-buckets 7``: 84 AR
+    rounds against 64 places), and a warm server then compiled them again while it served. So the
+    programs asked for inside :meth:`held_by` are pinned until their holder (an engine's method) is
+    garbage: nothing a warm engine calls is evicted, whatever its configuration. The other programs
+    (offline runs, calibrations, engines gone) are kept up to ``spare``, least recently used first: each
+    holds compiled code and XLA:CPU maps every executable separately, so a process building many
+    engines (a test run) must not keep them all."""
+
+    def __init__(self, spare: int = 256):
+        self.spare = spare
+        self._entries: dict = {}
+        self._loose: collections.OrderedDict = collections.OrderedDict()  # unpinned keys, oldest first
+        self._pins: collections.Counter = collections.Counter()
+        self._holders: list[set] = []  # the key sets of the open held_by blocks
+        self._released: collections.deque = collections.deque()  # key sets of holders gone (finalizers)
+        self._lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pinned(self) -> int:
+        """Programs some live holder asked for while warming up."""
+        return len(self._pins)
+
+    def get(self, key, build: Callable):
+        """The program under ``key``, built by ``build()`` the first time."""
+        with self._lock:
+            self._settle()
+            value = self._entries.get(key)
+            if value is None:
+                value = self._entries[key] = build()
+            for held in self._holders:
+                if key not in held:
+                    held.add(key)
+                    self._pins[key] += 1
+            if self._pins.get(key):
+                self._loose.pop(key, None)
+            else:
+                self._loose[key] = None
+                self._loose.move_to_end(key)
+                self._evict()
+            return value
+
+    @contextlib.contextmanager
+    def held_by(self, owner):
+        """Pin every program asked for in the block until ``owner`` is garbage."""
+        held: set = set()
+        with self._lock:
+            self._holders.append(held)
+        try:
+            yield held
+        finally:
+            with self._lock:
+                self._holders.remove(held)
+            # a finalizer may run inside any allocation, this cache's own included: it only queues
+            weakref.finalize(owner, self._released.append, held)
+
+    def _settle(self) -> None:
+        while self._released:
+            for key in self._released.popleft():
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+                    if key in self._entries:
+                        self._loose[key] = None
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._loose) > self.spare:
+            key, _ = self._loose.popitem(last=False)
+            self._entries.pop(key, None)
+
+
+_programs: list[ProgramCache] = [ProgramCache()]  # the process's cache; fresh_programs() stacks others
+
+
+def programs() -> ProgramCache:
+    """The program cache the factories use now."""
+    return _programs[-1]
+
+
+@contextlib.contextmanager
+def fresh_programs():
+    """Every factory builds into a new, empty :class:`ProgramCache` inside the block, dropped at its end:
+    a test that patches a traced function gets programs of its own and leaves none behind."""
+    cache = ProgramCache()
+    _programs.append(cache)
+    try:
+        yield cache
+    finally:
+        _programs.remove(cache)
+
+
+def program_factory(fn: Callable) -> Callable:
+    """``fn(*args)`` -> a compiled program (or a tuple / dict of them), memoized in :func:`programs` by
+    its arguments (hashable: configs are frozen dataclasses). Replaces ``functools.lru_cache``, whose
+    fixed bound evicted programs a warm server still called."""
+
+    @functools.wraps(fn)
+    def get(*args, **kwargs):
+        key = (get, args, tuple(sorted(kwargs.items())))
+        return programs().get(key, lambda: fn(*args, **kwargs))
+
+    return get
+
+
+class XlaCompiles:
+    """XLA compilations in this process, counted through ``jax.monitoring``'s backend-compile event
+    (one per program JAX hands to XLA, a load from the persistent compilation cache included: both
+    stall the caller), split at :meth:`mark` (a server marks the end of its warm-up) into before and
+    after. Each compilation after the mark is logged with its program's name: a warm server should
+    compile nothing.
+
+    :meth:`start` registers the listener (a process's counting starts there); :meth:`stop` removes it."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = self.count_at_mark = 0
+        self.seconds = self.seconds_at_mark = 0.0
+        self.marked = False
+        self.after_mark: list[str] = []  # the programs compiled after the mark, by name
+        self._lock = threading.Lock()
+        self._listening = False
+
+    def start(self) -> XlaCompiles:
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+            self._listening = True
+        return self
+
+    def stop(self) -> None:
+        if self._listening:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+            self._listening = False
+
+    def mark(self) -> None:
+        with self._lock:
+            self.count_at_mark, self.seconds_at_mark, self.marked = self.count, self.seconds, True
+            self.after_mark = []
+
+    @property
+    def since_mark(self) -> int:
+        return self.count - self.count_at_mark if self.marked else 0
+
+    def _on_event(self, event: str, duration: float, **kw) -> None:
+        if event != self.EVENT:
+            return
+        name = str(kw.get("fun_name", "?"))
+        with self._lock:
+            self.count += 1
+            self.seconds += duration
+            if self.marked:
+                self.after_mark.append(name)
+        if self.marked:
+            log.warning("compiled %s after warm-up (%.2f s)", name, duration)
+
+
+#: the process's count, started by the server (:mod:`ssd_jax.serve`); tests may make their own
+XLA_COMPILES = XlaCompiles()
 
 
 #: ``0`` (or off / false / no): no persistent compilation cache; a path: the cache under that folder

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_sd import tiny_model
 
+from ssd_jax.compile import fresh_programs
 from ssd_jax.drafters import eagle
 from ssd_jax.models import llama
 
@@ -198,24 +199,18 @@ def sampled_with_head(tmp_path, monkeypatch, method, biased, kept=None):
     from test_exactness import K, N_ROWS, NEW_TOKENS, STAT_PROMPTS, T1, _bonus_from_q
 
     from ssd_jax import SpecConfig, generate
-    from ssd_jax.decoding import sd_eagle
-    from ssd_jax.decoding.ssd import head as ssd_head
 
     target = tiny_model(7, vocab=16, scale=0.3, layers=2)
     head, spec = _trained_head(target, STAT_PROMPTS)
     draft = _saved_head(tmp_path, target, head, spec, kept)
-    caches = (sd_eagle.eagle_round_program, ssd_head.ssd_head_programs)
     if biased:
         _bonus_from_q(monkeypatch)
-    for c in caches:
-        c.cache_clear()
     try:
-        sp = dataclasses.replace(T1, n=N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=31)
-        res = generate(target, STAT_PROMPTS, sp, SpecConfig(method=method, draft=draft, k=K))
+        with fresh_programs():  # a biased run's programs are its own, dropped after
+            sp = dataclasses.replace(T1, n=N_ROWS, max_new_tokens=NEW_TOKENS, ignore_eos=True, seed=31)
+            res = generate(target, STAT_PROMPTS, sp, SpecConfig(method=method, draft=draft, k=K))
     finally:
         monkeypatch.undo()
-        for c in caches:
-            c.cache_clear()
     rep = goodness_of_fit(collect(target, STAT_PROMPTS, res.outputs, K, sp), seed=31)
     assert rep.n == len(STAT_PROMPTS) * N_ROWS * NEW_TOKENS
     return res, rep

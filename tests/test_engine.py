@@ -9,6 +9,7 @@ import pytest
 from test_sd import tiny_model
 
 from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.compile import fresh_programs
 from ssd_jax.engine.core import Engine, Mode, Sequence
 from ssd_jax.engine.methods import build_method
 from ssd_jax.errors import UserError
@@ -204,12 +205,9 @@ def test_k_zero_rounds_leave_the_draft_idle_and_catch_it_up(pair, buckets, monke
 
     schedule = [0, 0, 3, 0, 3, 3, 0, 0, 0, 3, 0, 3]
     assert _acceptance(pair, schedule, buckets) > 0.97
-    sd_lag.draft_flush_program.cache_clear()
     monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
-    try:
+    with fresh_programs():  # the disabled catch-up's programs, dropped after
         assert _acceptance(pair, schedule, buckets) < 0.8
-    finally:
-        sd_lag.draft_flush_program.cache_clear()
 
 
 SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]  # a 20-token "system prompt"

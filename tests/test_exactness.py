@@ -36,7 +36,7 @@ from test_sd import PROMPTS, tiny_model
 from test_ssd import check_cache_accounting
 
 from ssd_jax import SamplingParams, SpecConfig, generate
-from ssd_jax.decoding.ssd import rounds as ssd_rounds
+from ssd_jax.compile import fresh_programs
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.drafters import model as model_drafter
@@ -180,11 +180,6 @@ def test_adaptive_k_emissions_follow_the_target(agree_pair):
 # --------------------------------------------------------------------------- negative controls
 
 
-def _clear_compiled():
-    for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
-        cached.cache_clear()
-
-
 def _unweighted_saguaro(monkeypatch):
     """(a) cache-hit q without the Saguaro reweighting: tokens drawn from sigma_{F,C}, verified against q."""
     real = ssd_mod.draft_sample
@@ -250,12 +245,11 @@ def test_negative_control_fails(agree_pair, monkeypatch, bug, case):
     assert case in CASES
     method, drafter, c, sampling = case
     bug(monkeypatch)
-    _clear_compiled()
     try:
-        rep, m, _ = run_and_score(agree_pair, method, drafter, c, sampling, seed=500 + CASES.index(case))
+        with fresh_programs():  # programs of the biased functions, dropped after
+            rep, m, _ = run_and_score(agree_pair, method, drafter, c, sampling, seed=500 + CASES.index(case))
     finally:
         monkeypatch.undo()
-        _clear_compiled()
     assert rep.rejected, f"the biased engine passed: {rep}"
 
 
@@ -308,12 +302,11 @@ def _q_from_the_untrimmed_head(monkeypatch, full_draft):
 def test_trimmed_draft_negative_control_fails(agree_pair, trimmed_pair, monkeypatch):
     case = TRIM_CASES[0]
     _q_from_the_untrimmed_head(monkeypatch, agree_pair[1])
-    _clear_compiled()
     try:
-        rep, _, _ = run_and_score(trimmed_pair, *case, seed=600)
+        with fresh_programs():
+            rep, _, _ = run_and_score(trimmed_pair, *case, seed=600)
     finally:
         monkeypatch.undo()
-        _clear_compiled()
     assert rep.rejected, f"the biased engine passed: {rep}"
 
 
@@ -511,21 +504,18 @@ def test_server_path_emissions_follow_the_target(agree_pair):
     assert not rep.rejected, str(rep)
 
 
-def _biased_server_path_fails(run, programs, pair, seed, monkeypatch):
-    """``run`` with the bonus token after a fully accepted round drawn from the draft's q (its compiled
-    ``programs`` rebuilt around the bias, and again after) is rejected."""
+def _biased_server_path_fails(run, pair, seed, monkeypatch):
+    """``run`` with the bonus token after a fully accepted round drawn from the draft's q (programs of its
+    own, built around the bias and dropped after) is rejected."""
     _bonus_from_q(monkeypatch)
-    programs.cache_clear()
-    try:
+    with fresh_programs():
         rep = run(pair, seed=seed)
-        assert rep.rejected, str(rep)
-    finally:
-        programs.cache_clear()
+    assert rep.rejected, str(rep)
 
 
 def test_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
     """The control of the test above: the same path with the bonus token drawn from the draft's q fails."""
-    _biased_server_path_fails(_server_path_run, sd_mod.sd_round_program, agree_pair, 901, monkeypatch)
+    _biased_server_path_fails(_server_path_run, agree_pair, 901, monkeypatch)
 
 
 def _ssd_server_path_run(pair, seed):
@@ -572,4 +562,4 @@ def test_ssd_server_path_emissions_follow_the_target(agree_pair):
 
 def test_ssd_server_path_with_a_biased_verifier_fails(agree_pair, monkeypatch):
     """Its control: the bonus token after a fully accepted round drawn from the draft's q fails."""
-    _biased_server_path_fails(_ssd_server_path_run, ssd_rounds.ssd_programs, agree_pair, 911, monkeypatch)
+    _biased_server_path_fails(_ssd_server_path_run, agree_pair, 911, monkeypatch)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.compile import fresh_programs
 from ssd_jax.decoding import sd as sd_mod
 from ssd_jax.errors import UserError
 from ssd_jax.loading import LoadedModel
@@ -305,14 +306,11 @@ def test_sd_matches_exact_target_distribution(small_pair, drafter, sampling, mon
     if drafter == "model" and sampling.top_p == 1.0:
         # negative control: the biased verifier must fail the very same bound
         monkeypatch.setattr(sd_mod, "verify", biased_verify)
-        sd_mod.sd_steps.cache_clear()
-        sd_mod.sd_round_program.cache_clear()
         try:
-            counts_b, _ = sampled_pairs(target, spec, dataclasses.replace(sampling, seed=99), prompt)
+            with fresh_programs():  # programs of the biased verifier, dropped after
+                counts_b, _ = sampled_pairs(target, spec, dataclasses.replace(sampling, seed=99), prompt)
         finally:
             monkeypatch.undo()
-            sd_mod.sd_steps.cache_clear()
-            sd_mod.sd_round_program.cache_clear()
         stat_b, df_b = chi2_stat(counts_b, exact, N_SAMPLES)
         assert stat_b > chi2_threshold(df_b), (stat_b, df_b)
 

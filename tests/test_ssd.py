@@ -21,9 +21,9 @@ from test_sd import (
 )
 
 from ssd_jax import SamplingParams, SpecConfig, generate
+from ssd_jax.compile import fresh_programs
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.parallel import placement as ssd_loop  # build_method places through it
-from ssd_jax.decoding.ssd import rounds as ssd_rounds
 from ssd_jax.decoding.ssd import tree as ssd_mod
 from ssd_jax.sampling import saguaro
 from ssd_jax.decoding import sd as sd_mod
@@ -271,14 +271,11 @@ def test_biased_miss_rule_fails_the_bound(small_pair, monkeypatch):
     monkeypatch.setattr(ssd_mod, "advance", advance)
     monkeypatch.setattr(ssd_mod, "first_spec", first_spec)
     monkeypatch.setattr(sd_mod, "verify", biased_miss_verify)
-    for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
-        cached.cache_clear()
     try:
-        counts, m = sampled_pairs(target, spec, sampling, prompt)
+        with fresh_programs():  # programs of the biased functions, dropped after
+            counts, m = sampled_pairs(target, spec, sampling, prompt)
     finally:
         monkeypatch.undo()
-        for cached in (ssd_rounds.ssd_programs, sd_mod.sd_steps, sd_mod.sd_round_program):
-            cached.cache_clear()
     assert m["cache_hit_rate"] < 0.9  # misses happened
     stat, df = chi2_stat(counts, exact, N_SAMPLES)
     assert stat > chi2_threshold(df), (stat, df)

@@ -17,7 +17,7 @@ import functools
 import jax.numpy as jnp
 
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.models import llama
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.llama import KVCache
@@ -50,7 +50,7 @@ def ar_slot_round(
     return pad_rows(out, rows.cur.shape[0]), cur, park(cache, active_B), steps  # the rows' new cur is ``cur``
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def ar_round_program(
     cfg: ModelConfig, needs_filter: bool, window: int | None, greedy: bool = False, bucket: int | None = None
 ) -> Compiled:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.compile import program_factory
 from ssd_jax.decoding import runtime
 from ssd_jax.drafters.model import draft_propose
 from ssd_jax.drafters.random import random_tokens
@@ -215,7 +216,7 @@ def sd_slot_round(
     return pad_rows(out, rows.cur.shape[0]), park(tcache, active_B), park(dcache, active_B), new, catch
 
 
-@functools.lru_cache(maxsize=256)
+@program_factory
 def sd_round_program(
     cfg, dcfg, k, vocab, rand_vocab, needs_filter, kind, greedy=False, window=None, bucket=None
 ):
@@ -228,7 +229,7 @@ def sd_round_program(
     return runtime.Compiled(windowed(fn, window), donate_argnums=(1, 3), name="sd_round")
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def sd_steps(cfg, needs_filter: bool):
     score = runtime.Compiled(functools.partial(target_score, cfg=cfg), donate_argnums=(1,), name="verify")
     acc = runtime.Compiled(functools.partial(accept_step, needs_filter=needs_filter), name="sample")

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.decoding.sd import accept_step
 from ssd_jax.drafters import eagle
 from ssd_jax.models import llama
@@ -80,7 +80,7 @@ def prefill_eagle(
     return tok, lpc, tcache, rows, hcache, pend
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def eagle_prefill_program(cfg, layers, whole: bool, window, greedy: bool, needs_filter: bool) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 
@@ -128,7 +128,7 @@ def eagle_slot_round(
     return pad_rows(out, rows.cur.shape[0]), tcache, hcache, pend, new
 
 
-@functools.lru_cache(maxsize=128)
+@program_factory
 def eagle_round_program(cfg, layers, k: int, needs_filter: bool, greedy: bool, window, bucket) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 

@@ -28,7 +28,7 @@ import functools
 
 import jax.numpy as jnp
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.decoding import runtime
 from ssd_jax.drafters.model import draft_prefill
 from ssd_jax.models import llama
@@ -72,7 +72,7 @@ def sd_lag_round(
     return out, tcache, (cur, prev, steps), catch_up, lag, lag_n
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def sd_lag_round_program(cfg, needs_filter: bool, greedy: bool, window, bucket, with_prev=True) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 
@@ -95,7 +95,7 @@ def draft_flush(dparams, dcache, lag, lag_n, *, dcfg, width, bucket, back=1):
     return llama.bucket_merge(dcache, part, bucket), jnp.zeros_like(lag_n)
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def draft_flush_program(dcfg, width: int, window, bucket) -> Compiled:
     from ssd_jax.decoding.slots import windowed
 

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ssd_jax.compile import program_factory
 from ssd_jax.decoding import runtime
 from ssd_jax.decoding.sd import accept_step, target_score
 from ssd_jax.drafters.model import draft_propose
@@ -63,7 +64,7 @@ def set_draft_rows(rows, lengths_B, slots_R, new, lengths_R):
     return set_rows(rows, slots_R, new), lengths_B.at[slots_R].set(lengths_R)
 
 
-@functools.lru_cache(maxsize=32)
+@program_factory
 def sd_two_mesh_programs(cfg, dcfg, k, vocab, needs_filter, window=None):
     from ssd_jax.decoding.slots import windowed
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.drafters.model import draft_prefill
 from ssd_jax.models import llama
 from ssd_jax.models.llama import KVCache
@@ -200,7 +200,7 @@ def windowed(fn, window: int | None, cache_args=(1, 3)):
     return run
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def target_prefill_program(
     cfg, whole: bool, window: int | None, greedy: bool = False, needs_filter: bool = True
 ) -> Compiled:
@@ -208,7 +208,7 @@ def target_prefill_program(
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="prefill")
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def draft_prefill_program(cfg, whole: bool, window: int | None, first: bool = False) -> Compiled:
     fn = functools.partial(prefill_draft, cfg=cfg, whole=whole, first=first)
     return Compiled(windowed(fn, window, cache_args=(1,)), donate_argnums=(1,), name="draft_prefill")

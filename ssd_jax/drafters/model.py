@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.drafters.base import Proposal, align_vocab
 from ssd_jax.models import llama
 from ssd_jax.sampling.filters import RowSampling, filter_logprobs, sample, split
@@ -81,7 +81,7 @@ def draft_propose(
     )
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def draft_steps(cfg, k, vocab, needs_filter):
     pre = Compiled(functools.partial(draft_prefill, cfg=cfg), donate_argnums=(1,), name="draft_prefill")
     prop = {

@@ -191,6 +191,15 @@ class Engine:
         self._admitted = 0  # admissions so far (the newest running sequence is preempted first)
         self.compile_s = method.setup(self)
 
+        if not admit_together:  # a server: the sequences' keys too (jax.random compiles at first use)
+            for index in (0, 1):
+                Sequence([0], SamplingParams(), index=index).key_data()
+
+    def admission_chunks(self) -> list[Chunk]:
+        """One row's prefill chunk at each window: the shapes of a server's admissions (one row each),
+        for its methods to compile before it serves."""
+        one = np.zeros(1, np.int32)
+        return [Chunk(one, np.zeros((1, self.C), np.int32), one, one, self.B == 1, w) for w in self.windows]
     # --- the caller's side
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:

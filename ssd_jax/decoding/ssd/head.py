@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.decoding.sd import accept_step
 from ssd_jax.decoding.sd_eagle import Pending
 from ssd_jax.decoding.ssd.rounds import Control
@@ -192,7 +192,7 @@ def first_head_spec(
     return Proposal(tokens, n_draft, q, sp.hit & ~sel), hc
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def ssd_head_programs(cfg, layers, opts: Opts, ctl: Control, needs_filter: bool, greedy: bool, window):
     """The round (per mode and window) and admission's first speculation, compiled."""
     from ssd_jax.decoding.slots import windowed

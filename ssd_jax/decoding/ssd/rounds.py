@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.decoding.sd import accept_step, target_score
 from ssd_jax.decoding.ssd import tree
 from ssd_jax.decoding.ssd.tree import Opts
@@ -369,7 +369,7 @@ def catch_up_slot(dparams, dcache, rows, sp: Proposal, pm, lag, lag_n, ctrl, *, 
     return sp, pm & ~need, dcache, lag_n
 
 
-@functools.lru_cache(maxsize=64)
+@program_factory
 def ssd_programs(tcfg, dcfg, opts: Opts, ctl: Control, window: int | None = None, bucket: int | None = None):
     """Every compiled program of SSD over the engine's slots, by name (the window applies to the target's
     cache only: the draft's tree region lies past the context). ``bucket``: the rounds, fused or split, run

@@ -9,11 +9,21 @@ import functools
 import jax
 import numpy as np
 
-from ssd_jax.compile import Compiled
+from ssd_jax.compile import Compiled, programs
 from ssd_jax.decoding import runtime
 from ssd_jax.decoding.slots import Rows, target_prefill_program
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.parallel.placement import cache_for, put_on
+
+
+#: (greedy, needs_filter) of a prefill program, by the sampling of the rows admitted: argmax, a plain
+#: draw, a draw through top-k / top-p
+PREFILL_SAMPLINGS = ((True, False), (False, False), (False, True))
+
+
+def chunk_args(c, put) -> tuple:
+    """A prefill chunk's arrays as the prefill programs take them, placed by ``put``."""
+    return put(c.tokens), put(c.n_valid), put(c.slots), put(c.starts)
 
 
 class Method:
@@ -46,12 +56,25 @@ class Method:
         self.paged = engine.paged if self.pageable else None
         self.tcache = cache_for(self.model, self.B, self.max_len, self.paged)
         self.rows = jax.tree.map(self.put, Rows.empty(self.B, self.n_ban))
-        self.setup_draft(engine)
-        self.compile_rounds(engine.windows)
+        with programs().held_by(self):  # every program warmed here stays while this method lives
+            self.setup_draft(engine)
+            self.compile_rounds(engine.windows)
+            if not engine.admit_together and engine.C is not None:  # a server: what its admissions run
+                self.compile_admission(engine.admission_chunks())
         return Compiled.total_s - t0
 
     def setup_draft(self, engine) -> None:
         pass
+
+    def compile_admission(self, chunks) -> None:
+        """Compile what admitting one row runs (a server admits each request on its own; ``chunks``: a
+        one-row chunk at each window), so that a warm server's first admissions compile nothing: the
+        target's prefill for each window and each kind of sampling the row may ask for."""
+        new = jax.tree.map(self.put, Rows.empty(1, self.n_ban))
+        for c in chunks:
+            for greedy, nf in PREFILL_SAMPLINGS:
+                prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window), greedy, nf)
+                prog.precompile(self.model.params, self.tcache, self.rows, *chunk_args(c, self.put), new)
 
     def set_pages(self, table: np.ndarray) -> None:
         """A new block table (paged caches): each cache gets its own copy (the caches are donated)."""
@@ -105,9 +128,8 @@ class Method:
         for c in chunks:  # the last chunk's tokens (and log-probabilities) are the prompts' first
             prog = target_prefill_program(self.model.cfg, c.whole, self.window(c.window), greedy, nf)
             tok, lpc, self.tcache, self.rows = prog(
-                self.model.params, self.tcache, self.rows, self.put(c.tokens), self.put(c.n_valid),
-                self.put(c.slots), self.put(c.starts), new_d,
-            )  # fmt: skip
+                self.model.params, self.tcache, self.rows, *chunk_args(c, self.put), new_d
+            )
         self._first_lp = lpc if bool(np.asarray(new.rs.want_logprobs).any()) else None
         return tok
 

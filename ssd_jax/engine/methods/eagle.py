@@ -13,7 +13,8 @@ from ssd_jax.decoding.sd_eagle import Pending, eagle_prefill_program, eagle_roun
 from ssd_jax.drafters import eagle
 from ssd_jax.drafters.eagle import PREFIX, eagle_source, is_eagle, load_eagle
 from ssd_jax.engine.core import RoundOut
-from ssd_jax.engine.methods.base import Method
+from ssd_jax.decoding.slots import Rows
+from ssd_jax.engine.methods.base import PREFILL_SAMPLINGS, Method, chunk_args
 from ssd_jax.engine.methods.sd import SDRound
 
 __all__ = ["PREFIX", "SDEagle", "eagle_source", "is_eagle", "load_eagle"]
@@ -58,6 +59,20 @@ class SDEagle(Method):
             for mode in self.modes:
                 for w in windows:
                     self._program(mode, w, b).precompile(*self._args(off, mode))
+
+    def compile_admission(self, chunks) -> None:
+        """The head's prefill (the target's with the head's pairs) at each window and sampling."""
+        put, zeros = self.put, np.zeros((1, chunks[0].tokens.shape[1]), np.int32)
+        new = jax.tree.map(put, Rows.empty(1, self.n_ban))
+        for c in chunks:
+            for greedy, nf in PREFILL_SAMPLINGS:
+                prog = eagle_prefill_program(
+                    self.model.cfg, self.layers, c.whole, self.window(c.window), greedy, nf
+                )
+                prog.precompile(
+                    self.model.params, self.tcache, self.rows, self.head, self.hcache, self.pend,
+                    *chunk_args(c, put), new, put(zeros), put(zeros[:, 0]),
+                )  # fmt: skip
 
     def admit(self, chunks, new):
         put = self.put

@@ -20,7 +20,7 @@ from ssd_jax.drafters.base import Proposal
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.eagle import SDEagle
 from ssd_jax.decoding.ssd.host import SSDStats
-from ssd_jax.engine.methods.ssd import SSDRound
+from ssd_jax.engine.methods.ssd_rounds import SSDRound
 from ssd_jax.sampling.logprobs import host_logprobs
 
 
@@ -75,6 +75,14 @@ class SSDEagle(SDEagle):
     def _round_args(self, live):
         return (self.model.params, self.tcache, self.head, self.hcache, self.pend, self.rows, self.sp,
                 self.active(live), self._ctrl(live))  # fmt: skip
+
+    def compile_admission(self, chunks) -> None:
+        super().compile_admission(chunks)
+        first = self._progs(self.modes[0], admission=True)["first"]
+        first.precompile(
+            self.head, self.model.params, self.hcache, self.pend, self.rows, self.sp,
+            self.put(np.zeros(1, np.int32)), self._ctrl(np.zeros(self.B, bool)),
+        )  # fmt: skip
 
     def admit(self, chunks, new):
         tok, lps = super().admit(chunks, new)

@@ -19,7 +19,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.drafters.model import draft_steps as draft_programs
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
-from ssd_jax.engine.methods.base import Method
+from ssd_jax.engine.methods.base import Method, chunk_args
 from ssd_jax.parallel.placement import cache_for
 from ssd_jax.sampling.filters import fold_in
 from ssd_jax.sampling.logprobs import host_logprobs
@@ -175,6 +175,17 @@ class SD(Method):
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         self.lag_rounds += 1
         return SDRound(out, 0, None, live, 0)
+
+    def compile_admission(self, chunks) -> None:
+        """The target's prefill (:meth:`Method.compile_admission`) and the draft model's, whose first
+        chunk differs where the draft sees a window of the prompt."""
+        super().compile_admission(chunks)
+        if self.draft is None:
+            return
+        for c in chunks:
+            for opening in {False, self.context is not None}:
+                prog = draft_prefill_program(self.draft.cfg, c.whole, self.window(c.window), opening)
+                prog.precompile(self.draft.params, self.dcache, *chunk_args(c, self.put))
 
     def admit(self, chunks, new: Rows):
         first = np.asarray(self.admit_target(chunks, new))
@@ -396,6 +407,17 @@ class SDTwoMeshes(Method):
         for mode in self.modes:
             for w in windows:
                 self.read(self.dispatch(off, w, mode), off, off)
+
+    def compile_admission(self, chunks) -> None:
+        super().compile_admission(chunks)
+        dput, one = self.pl.put_draft, np.zeros(1, np.int32)
+        for whole in {c.whole for c in chunks}:
+            c = next(c for c in chunks if c.whole == whole)
+            prog = draft_prefill_program(self.draft.cfg, whole, None)
+            prog.precompile(self.draft.params, self.dcache, *chunk_args(c, dput))
+        new_d = dataclasses.replace(jax.tree.map(dput, Rows.empty(1, self.n_ban)), cur=dput(one))
+        _, _, admit = self._programs(next(iter(self.modes)), self.max_len)
+        admit.precompile(self.drows, self.dlen, dput(one), new_d, dput(one))
 
     def admit(self, chunks, new: Rows):
         dput = self.pl.put_draft

@@ -27,40 +27,13 @@ from ssd_jax.compile import Compiled
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
-from ssd_jax.engine.methods.base import Method
+from ssd_jax.engine.methods.base import Method, chunk_args
+from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
 from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
 from ssd_jax.parallel import distributed as dist
 from ssd_jax.sampling.logprobs import host_logprobs
-
-
-@dataclasses.dataclass
-class SSDRound:
-    """A dispatched SSD round."""
-
-    kind: str  # the backup its lookup ran: neural, random or host (n-gram)
-    sched: np.ndarray  # the fan-out table its tree was built with
-    out: jax.Array  # (B, K+2[+META]) emitted tokens, accepted count (fused: then the next speculation's meta)
-    meta: jax.Array | None = None  # (B, META) the next speculation's meta (split rounds)
-    host: np.ndarray | None = None  # the round's host copy, once read
-    lookup: Lookup | None = None  # a split round whose lookup has not run yet (SSD._finish runs it)
-
-
-@dataclasses.dataclass
-class Lookup:
-    """What a split round's second half needs: its outcome crosses to the draft, which looks it up in the
-    tree (the backup for rows that missed) and sends the next speculation back. It runs when the next
-    round is dispatched (or the round is read), so the host's work for the previous round overlaps the
-    verify instead of sitting between two verifies."""
-
-    progs: dict
-    ctrl: jax.Array
-    live: np.ndarray
-    active_d: jax.Array
-    tree: object
-    outcome: jax.Array
-    step: int
 
 
 class SSD(Method):
@@ -351,6 +324,23 @@ class SSD(Method):
     def idle(self) -> bool:
         """Every bucket runs AR rounds: the draft is never used (admission skips it)."""
         return self.switch is not None and len(self.ar_buckets) == len(self.buckets)
+
+    def compile_admission(self, chunks) -> None:
+        """The target's prefill (:meth:`Method.compile_admission`), the draft's, and the admitted row's
+        first speculation (none where every bucket runs AR rounds)."""
+        super().compile_admission(chunks)
+        if self.idle:
+            return
+        dput, one = self.dput, np.zeros(1, np.int32)
+        for c in {c.whole: c for c in chunks}.values():
+            prog = draft_prefill_program(self.draft.cfg, c.whole, None)
+            prog.precompile(self.draft.params, self.dcache, *chunk_args(c, dput))
+        new_d = dataclasses.replace(jax.tree.map(dput, Rows.empty(1, self.n_ban)), cur=dput(one))
+        first = self._progs(self.modes[0], admission=True)[f"first_{self.first_kind}_{chunks[0].whole}"]
+        first.precompile(
+            self.draft.params, self.dcache, self.drows, self.sp, self.pm, dput(one), new_d,
+            self._ctrl(np.zeros(self.B, bool)),
+        )  # fmt: skip
 
     def admit(self, chunks, new: Rows):
         pl, dput = self.pl, self.dput
