@@ -64,7 +64,7 @@ def test_fair_protocol_two_processes(tmp_path, tiny_llama_path, tiny_llama_draft
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, *args],
-            env=process_env(i, 2, 1, port, "cpu", base),
+            env=process_env(i, 2, 1, port, "cpu", base, secret="fair-protocol-test"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="call jax.distributed.initialize() first (multi-host: "
         "run the same command on every host; meshes then span jax.devices() of all hosts)",
     )
+    add_link_host(g)
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p
@@ -97,6 +98,18 @@ def run(argv=None) -> int:
     return run_distributed(_run, args) if args.distributed else _run(args)
 
 
+def add_link_host(g) -> None:
+    """``--link-host``: where process 0 listens for the others (docs/multiprocess.md)."""
+    g.add_argument(
+        "--link-host",
+        default=None,
+        metavar="ADDR",
+        help="--distributed: the address process 0's link and coordination service listen on "
+        "(default: $SSD_JAX_LINK_HOST, else 127.0.0.1 when the coordinator is on this host, else the "
+        "coordinator's address; never every interface)",
+    )
+
+
 def run_distributed(fn, args) -> int:
     """``fn(args)`` as one process of a ``jax.distributed`` run (``--distributed``, set by
     ``python -m ssd_jax.launch``): initialise first, and turn any failure into one line and an
@@ -104,6 +117,10 @@ def run_distributed(fn, args) -> int:
     from ssd_jax.errors import UserError
     from ssd_jax.parallel import distributed as dist
 
+    if getattr(args, "link_host", None):
+        from ssd_jax.parallel.link import HOST_ENV
+
+        os.environ[HOST_ENV] = args.link_host
     _native_stdout_to_stderr()
     try:  # coordinator / process ids from JAX_* variables or the cluster (TPU slice, SLURM)
         dist.initialize()

@@ -3,8 +3,9 @@
     python -m ssd_jax.launch --processes 2 --devices-per-process 2 decode ARGS...
 
 starts ``python -m ssd_jax.decode --distributed ARGS...`` ``--processes`` times, each with
-``JAX_COORDINATOR_ADDRESS`` (a free local port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
-set, and its own devices: ``--devices-per-process`` fake CPU devices on CPU
+``JAX_COORDINATOR_ADDRESS`` (a free port on 127.0.0.1, where the coordination service and the processes'
+link then listen), ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` and ``SSD_JAX_LINK_SECRET`` (made for this
+run: the link takes only a peer that holds it, :mod:`ssd_jax.parallel.link`) set, and its own devices: ``--devices-per-process`` fake CPU devices on CPU
 (``--xla_force_host_platform_device_count``), or that many GPUs (``CUDA_VISIBLE_DEVICES``) on a
 GPU machine. ``jax.devices()`` then lists every process's devices in process order, so
 ``--target-devices M --draft-devices N`` with M = N = devices-per-process puts the target on
@@ -67,7 +68,7 @@ def build_parser() -> Parser:
         help="pin process i to cores [i*N, (i+1)*N) of those this launcher may use "
         "(default: no pinning, every process may use every core)",
     )
-    p.add_argument("--port", type=int, default=0, help="coordinator port on localhost (default: a free one)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
     p.add_argument(
         "--no-kill",
         action="store_true",
@@ -121,8 +122,14 @@ def process_env(
     base: dict,
     cpus: list[int] | None = None,
     machine: list[int] | None = None,
+    secret: str | None = None,
 ) -> dict:
     env = dict(base)
+    if secret is not None:  # the link's per-run secret (ssd_jax.parallel.link): only this run's processes
+        from ssd_jax.parallel.link import SECRET_ENV, SECRET_FILE_ENV
+
+        env.pop(SECRET_FILE_ENV, None)
+        env[SECRET_ENV] = secret
     if cpus is not None:  # applied by ssd_jax.xla_env on import, before JAX starts
         from ssd_jax.xla_env import CPUS_ENV
 
@@ -130,7 +137,7 @@ def process_env(
     if machine is not None:  # every launched process's cores: what AR would run on (planning/reference.py)
         env["SSD_JAX_MACHINE_CPUS"] = ",".join(map(str, sorted(machine)))
     env.update(
-        JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(n),
         JAX_PROCESS_ID=str(i),
         PYTHONUNBUFFERED="1",
@@ -168,6 +175,17 @@ def _describe(rc: int) -> str:
     return f"exited with status {rc}"
 
 
+def _envs(args, platform: str, pins: list) -> list[dict]:
+    """Every process's environment: one coordinator port on 127.0.0.1 and one fresh link secret for
+    the run (in the processes' environment only), each process's devices and cores."""
+    import secrets
+
+    machine = sorted({c for pin in pins for c in pin}) if args.cpus_per_process is not None else None
+    port, secret = args.port or free_port(), secrets.token_hex(32)
+    n, per = args.processes, args.devices_per_process
+    return [process_env(i, n, per, port, platform, os.environ, pins[i], machine, secret) for i in range(n)]
+
+
 def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.processes < 1 or args.devices_per_process < 1:
@@ -188,17 +206,14 @@ def run(argv=None) -> int:
         if args.cpus_per_process is not None
         else [None] * args.processes
     )
-    machine = sorted({c for pin in pins for c in pin}) if args.cpus_per_process is not None else None
-    port = args.port or free_port()
+    envs = _envs(args, platform, pins)
     cmd = [sys.executable, "-m", COMMANDS[args.command], "--distributed", *args.args]
     out_b, err_b = sys.stdout.buffer, sys.stderr.buffer
     procs, threads = [], []
     for i in range(args.processes):
         p = subprocess.Popen(
             cmd,
-            env=process_env(
-                i, args.processes, args.devices_per_process, port, platform, os.environ, pins[i], machine
-            ),
+            env=envs[i],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -171,6 +171,7 @@ class Engine:
         self.pending: Pending | None = None
         self.stats = AcceptanceStats(max_batch, method.k_max)
         self.rounds = 0
+        self.last_k: int | None = None  # the last round's K where the method varies it (SD)
         self.bucket_rounds: collections.Counter[int] = (
             collections.Counter()
         )  # rounds dispatched per batch size
@@ -340,6 +341,7 @@ class Engine:
 
     def _push_round(self, rnd: Pending, out: RoundOut, live: np.ndarray) -> None:
         self.rounds += 1
+        self.last_k = out.k  # (the server's processes compare it after every step: serve/lockstep.py)
         if self.method.speculates:
             self.stats.update(live, out.n_emit - 1, out.n_draft, hit=out.hit)
             if self.metrics is not None:

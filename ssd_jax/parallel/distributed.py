@@ -10,8 +10,9 @@ both meshes and runs one jitted ``x[source]`` that XLA turns into a collective (
 ICI on accelerators). Its result is replicated on every device, so every process can also read it
 on the host, which keeps the host loops of all processes deciding the same things. On CPU, where
 that collective costs milliseconds for a few integers, a two-process run sends the source's host copy
-over one TCP connection of its own instead (:class:`Link`; ``SSD_JAX_BRIDGE=collective`` keeps the
-collective).
+over one TCP connection of its own instead (:func:`link`: bound to the address the processes were told
+to use, authenticated both ways with the run's secret, typed frames only, :mod:`ssd_jax.parallel.link`;
+``SSD_JAX_BRIDGE=collective`` keeps the collective).
 
 Failure: a dead peer stops sending heartbeats; after ``SSD_JAX_HEARTBEAT_S`` seconds the coordination
 service declares it dead. JAX's default reaction is to abort every other process with a C++ stack
@@ -36,6 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+
 #: seconds without a heartbeat before the coordinator declares a process dead (and the others exit);
 #: 10 s proved too short on a loaded 2-core CI machine (compiles starve the heartbeat threads)
 HEARTBEAT_S = 30
@@ -52,6 +54,9 @@ def initialize() -> None:
     ``JAX_PROCESS_ID`` when set; otherwise JAX's cluster detection (TPU slice, SLURM, ...).
     On CPU, cross-process collectives use gloo. Timeouts (``SSD_JAX_HEARTBEAT_S``,
     ``SSD_JAX_INIT_TIMEOUT_S``) are short so that a dead peer stops the run within a minute.
+    The coordination service (process 0) binds where the link does (:func:`~ssd_jax.parallel.link.
+    bind_host`): loopback for a coordinator on this host, else the coordinator's address or
+    ``SSD_JAX_LINK_HOST``; JAX's default is every interface.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only affects the CPU client
     kw: dict = {}
@@ -62,6 +67,9 @@ def initialize() -> None:
         kw["num_processes"] = int(env["JAX_NUM_PROCESSES"])
     if env.get("JAX_PROCESS_ID"):
         kw["process_id"] = int(env["JAX_PROCESS_ID"])
+    bind = _coordinator_bind(env.get("JAX_COORDINATOR_ADDRESS", ""))
+    if bind is not None:
+        kw["coordinator_bind_address"] = bind
     watch = _can_watch()
     if watch:  # a dead peer: tell us (the watchdog) instead of aborting us with a stack trace
         jax.config.update("jax_enable_recoverability", True)
@@ -88,6 +96,21 @@ def initialize() -> None:
             daemon=True,
             name="ssd-jax-peer-watchdog",
         ).start()
+
+
+def _coordinator_bind(address: str) -> str | None:
+    """``host:port`` for the coordination service to listen on (None: JAX's choice, every interface,
+    left only where neither the coordinator's address nor ``SSD_JAX_LINK_HOST`` is known, or where the
+    user set ``JAX_COORDINATOR_BIND_ADDRESS`` themselves)."""
+    from ssd_jax.parallel.link import bind_host
+
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or ":" not in address:
+        return None
+    host, port = address.rsplit(":", 1)
+    bind = bind_host(host)
+    if bind is None:
+        return None
+    return f"[{bind}]:{port}" if ":" in bind else f"{bind}:{port}"
 
 
 def _can_watch() -> bool:
@@ -165,78 +188,70 @@ def host_value(x) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
-#: ``collective``: every move through the compiled collective, even where :class:`Link` could carry it
+#: ``collective``: every move through the compiled collective, even where the :func:`link` could carry it
 BRIDGE_ENV = "SSD_JAX_BRIDGE"
 
 
-class Link:
-    """One TCP connection between the two processes of a two-process run on CPU: the bytes of a move.
+def _connect():
+    """This process's :class:`~ssd_jax.parallel.link.Link` to the other, authenticated both ways.
 
     On CPU the collective's move of a round's few integers costs milliseconds (gloo; measured by
     ``python -m ssd_jax.roundcost``: 7.5 ms there and back against 0.03 ms over a socket), so
-    :class:`Bridge` sends them over this instead. Process 0 listens (every interface, a free port,
-    published in the coordination service's key-value store), process 1 connects to process 0's host
-    (``JAX_COORDINATOR_ADDRESS``). Made once per process, at the first move, in the same order in both
-    (every process runs the same program). A peer that closes the connection raises ``RuntimeError``;
-    a peer that dies is caught by the watchdog (:func:`fail_fast`)."""
+    :class:`Bridge` sends them over a TCP connection instead. Process 0 listens on a free port of the
+    address the processes were told to use (loopback on one host; never every interface), publishes
+    ``host:port`` in the coordination service's key-value store and accepts the first connection that
+    answers its challenge with the run's secret (``SSD_JAX_LINK_SECRET``), dropping any other; process 1
+    connects there and checks process 0 the same way. Both then agree on the package version and commit.
+    Made once per process, at the first use, in the same order in both (every process runs the same
+    program). A peer that closes the connection raises ``ConnectionError``; a peer that dies is caught by
+    the watchdog (:func:`fail_fast`)."""
+    import socket
 
-    def __init__(self):
-        import socket
+    from jax._src import distributed as jd
 
-        from jax._src import distributed as jd
+    from ssd_jax.parallel.link import Link, accept_peer, answer, bind_host, identity, link_secret
 
-        client = jd.global_state.client
-        if is_main():
-            srv = socket.create_server(("", 0))
-            client.key_value_set("ssd_jax/link/port", str(srv.getsockname()[1]))
-            self.conn, _ = srv.accept()
+    secret = link_secret()
+    client = jd.global_state.client
+    timeout = int(os.environ.get("SSD_JAX_INIT_TIMEOUT_S", INIT_TIMEOUT_S))
+    me, peer = jax.process_index(), 1 - jax.process_index()
+    if is_main():
+        coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS") or jd.global_state.coordinator_address or ""
+        host = bind_host(coordinator.rsplit(":", 1)[0] if ":" in coordinator else coordinator) or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        srv = socket.create_server((host, 0), family=family)
+        client.key_value_set("ssd_jax/link/address", f"{host}|{srv.getsockname()[1]}")
+        try:
+            conn, address = accept_peer(srv, secret, timeout)
+        finally:
             srv.close()
-        else:
-            host = (os.environ.get("JAX_COORDINATOR_ADDRESS") or "127.0.0.1:0").rsplit(":", 1)[0]
-            port = int(client.blocking_key_value_get("ssd_jax/link/port", INIT_TIMEOUT_S * 1000))
-            self.conn = socket.create_connection((host or "127.0.0.1", port))
-        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = 1 - jax.process_index()
-        print(
-            f"[link] process {jax.process_index()} linked to process {peer} (TCP)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def send(self, data: bytes) -> None:
-        self.conn.sendall(data)
-
-    def recv(self, n: int) -> bytearray:
-        import socket
-
-        buf, got = bytearray(n), 0
-        view = memoryview(buf)
-        while got < n:
-            k = self.conn.recv_into(view[got:], n - got)
-            if k == 0:
-                raise RuntimeError("the peer process closed its link (it may have died)")
-            got += k
-        if hasattr(socket, "TCP_QUICKACK"):  # acknowledge now: a delayed ACK would hold the peer's next send
-            self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        return buf
+    else:
+        host, port = client.blocking_key_value_get("ssd_jax/link/address", timeout * 1000).split("|")
+        address = f"{host}:{port}"
+        conn = socket.create_connection((host, int(port)), timeout=timeout)
+        answer(conn, secret, f"process 0 ({address})")
+        conn.settimeout(None)
+    link = Link(conn, me, peer, address)
+    link.agree("the installation", identity(), optional=("commit",))
+    print(f"[link] process {me} linked to process {peer} (TCP, authenticated)", file=sys.stderr, flush=True)
+    return link
 
 
 _LINK: list = []
 
 
 def _plain(dtype) -> bool:
-    """A dtype whose values are their bytes (not a PRNG key)."""
-    try:
-        np.dtype(dtype)
-    except TypeError:
-        return False
-    return True
+    """A dtype whose values are their bytes and that a move's header can name (not a PRNG key)."""
+    from ssd_jax.parallel.link import dtype_code
+
+    return dtype_code(dtype) is not None
 
 
-def link() -> Link:
-    """This process's one :class:`Link` to the other (made on first use, in the same order in both)."""
+def link():
+    """This process's one :class:`~ssd_jax.parallel.link.Link` to the other (made on first use, in the
+    same order in both: :func:`_connect`)."""
     if not _LINK:
-        _LINK.append(Link())
+        _LINK.append(_connect())
     return _LINK[0]
 
 
@@ -247,7 +262,7 @@ class Bridge:
     the same values replicated on the other mesh, and a copy readable by every process with
     :func:`host_value`. One compiled collective per call, whatever the tree (its result replicated on
     the union of both meshes); on CPU with each mesh in a process of its own, the source process's host
-    copy sent over a :class:`Link` instead (``readable`` is then that host copy, in both processes).
+    copy sent over the :func:`link` instead (``readable`` is then that host copy, in both processes).
     """
 
     def __init__(self, target_mesh: Mesh, draft_mesh: Mesh):
@@ -287,22 +302,14 @@ class Bridge:
         )
 
     def _move_linked(self, leaves, treedef, src: str, to: str):
-        """The move over the :class:`Link`: the source process reads its copy and sends the bytes, the
-        other receives them (shapes and dtypes from its own view of the same arrays) and places them."""
+        """The move over the :func:`link`: the source process reads its copy and sends it, the other
+        receives it (checked against its own view of the same arrays' shapes and dtypes) and places it."""
         me, conn = jax.process_index(), link()
         if me == self._proc[src]:
             hosts = [np.asarray(x.addressable_shards[0].data) for x in leaves]
-            conn.send(b"".join(np.ascontiguousarray(h).tobytes() for h in hosts))
-        else:
-            sizes = [int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves]
-            buf, off, hosts = conn.recv(sum(sizes)), 0, []
-            for x, n in zip(leaves, sizes):
-                hosts.append(
-                    np.frombuffer(
-                        buf, np.dtype(x.dtype), count=n // np.dtype(x.dtype).itemsize, offset=off
-                    ).reshape(x.shape)
-                )
-                off += n
+            conn.send_arrays(hosts)
+        else:  # checked against this process's own view of the same arrays: dtype, shape, length
+            hosts = conn.recv_arrays([(tuple(x.shape), x.dtype) for x in leaves])
         dst = NamedSharding(self.meshes[to], PartitionSpec())
         mine = [d for d in self.meshes[to].devices.flat if d.process_index == me]
         moved = [

@@ -31,7 +31,13 @@ CHILD_TIMEOUT_S = 900
 CHILD = "import os, sys; os.sched_setaffinity(0, {cores}); sys.argv[1:] = {args!r}; " + (
     "from ssd_jax.planning.reference import main; sys.exit(main())"
 )
-_LAUNCH_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", MACHINE_CPUS_ENV)
+_LAUNCH_VARS = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    MACHINE_CPUS_ENV,
+    "SSD_JAX_LINK_SECRET",  # the link's secret (ssd_jax.parallel.link): the child needs no link
+)
 
 
 def machine_cores() -> list[int] | None:

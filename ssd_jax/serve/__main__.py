@@ -83,6 +83,9 @@ def build_parser() -> Parser:
         help="one process of a launcher run (python -m ssd_jax.launch ... serve, which adds it): process 0 "
         "serves HTTP, process 1 runs SSD's draft (ssd_jax.serve.lockstep)",
     )
+    from ssd_jax.cli.decode import add_link_host
+
+    add_link_host(g)
     return p
 
 
@@ -155,7 +158,7 @@ def _serve(args) -> int:
             from ssd_jax.parallel.distributed import fail_fast
 
             fail_fast(f"the server stopped: the engine failed ({engine.error})")
-        engine.channel.send("stop")  # process 1 leaves its loop; both meet at the shutdown barrier
+        engine.channel.stop()  # process 1 leaves its loop; both meet at the shutdown barrier
     return 0
 
 
@@ -163,12 +166,15 @@ def _follow(engine) -> int:
     """Process 1 of a launcher run: ignore SIGTERM (process 0 says when to stop, after its in-flight
     requests), step the engine as told; a lost process 0 ends it with one line."""
     from ssd_jax.parallel.distributed import fail_fast
-    from ssd_jax.serve.lockstep import follow
+    from ssd_jax.parallel.link import PeerAborted, WireError
+    from ssd_jax.serve.lockstep import LockstepError, follow
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("[serve] process 1: following process 0's steps", file=sys.stderr, flush=True)
     try:
         follow(engine.engine, engine.channel)
+    except (LockstepError, WireError, PeerAborted) as e:  # the peer broke the protocol, or we diverged
+        fail_fast(" ".join(str(e).split())[:500])
     except (RuntimeError, OSError) as e:
         fail_fast(f"lost process 0 ({' '.join(str(e).split())[:200]})")
     return 0
@@ -342,10 +348,10 @@ def _serving_engine(args, spec, model, max_len):
         prefix_caching=args.prefix_caching,
     )
     channel = None
-    if multi_process():  # step messages to process 1 (ssd_jax.serve.lockstep)
-        from ssd_jax.serve.lockstep import Channel
+    if multi_process():  # step messages to process 1 (ssd_jax.serve.lockstep), once both agree on the engine
+        from ssd_jax.serve.lockstep import Channel, engine_config
 
-        channel = Channel()
+        channel = Channel(engine_config(core, spec))
     return ServingEngine(core, max_waiting=args.max_waiting, channel=channel), metrics, method
 
 

@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ssd_jax.engine.core import Engine, Sequence
-from ssd_jax.serve.lockstep import IDLE_S, step_message
+from ssd_jax.serve.lockstep import IDLE_S
 
 __all__ = ["EngineDead", "QueueFull", "Sequence", "ServingEngine", "fresh_seed"]
 
@@ -103,15 +103,15 @@ class ServingEngine:
             self.metrics.running.set(self.engine.running)
             self.metrics.waiting.set(len(self.engine.waiting) + len(self._staged))
 
-    def _boundary(self) -> dict:
+    def _boundary(self) -> tuple[list[Sequence], list[Sequence]]:
         """Under the lock: the staged sequences into the engine, the staged cancellations marked; what
-        process 1 needs of both."""
+        process 1 needs of both (the arrivals, the cancelled sequences still unfinished)."""
         new, self._staged = self._staged, []
         cancels, self._cancels = self._cancels, []
         self.engine.waiting.extend(new)
         for s in cancels:
             s.cancelled = True
-        return step_message(new, [s for s in cancels if s.finish_reason is None])
+        return new, [s for s in cancels if s.finish_reason is None]
 
     def _loop(self) -> None:
         try:
@@ -122,13 +122,15 @@ class ServingEngine:
                     ):
                         self._cv.wait(IDLE_S)
                         if self.channel is not None and not self._staged and not self._cancels:
-                            self.channel.send("idle")  # a dead peer fails this within a second
-                    msg = self._boundary()
+                            self.channel.idle()  # a dead peer fails this within a second
+                    new, cancelled = self._boundary()
                     if self._stop and not self.engine.busy():
                         return
                 if self.channel is not None:
-                    self.channel.send("step", **msg)
+                    self.channel.step(new, cancelled)
                 self.engine.step()  # outside the lock: submit and cancel never wait for a round
+                if self.channel is not None:  # process 1 took the same decisions, or both stop here
+                    self.channel.stepped(self.engine)
                 self._gauges()
         except Exception as e:  # noqa: BLE001 - a device or host failure: fail every request, stay up for /health
             self._die(e)
