@@ -47,15 +47,15 @@ def test_ssd_runs_its_draft_in_a_process_of_its_own(monkeypatch):
     assert ssd[2:6] == ["ssd_jax.launch", "--processes", "2", "--cpus-per-process"]
 
 
-def test_a_launched_ssd_that_declines_runs_again_in_one_process_on_every_core(monkeypatch, capsys):
-    """SSD's launched plan, priced against AR on both cores, chose AR rounds: AR on one core would be the
-    row, slower than the AR row. The demo runs SSD again in one process, under that layout's own plan."""
-    ref = {"cores": 2, "t_ar": 0.02, "source": "cache"}
+def test_a_launched_ssd_that_does_not_pay_runs_again_in_one_process_on_every_core(monkeypatch, capsys):
+    """SSD's launched layout is predicted below AR on both cores (its plan's ``ar_reference``): the
+    demo runs SSD again in one process on both, under that layout's own plan, and names both choices."""
+    ref = {"cores": 2, "t_ar": 0.02, "source": "cache", "expected_speedup": 0.87, "pays": False}
     launched = {
-        "chosen": {"k": 1, "ar_rounds": True},
+        "chosen": {"k": 1},
         "predicted": {"ar_reference": ref},
-        "choice": "AR rounds (predicted 0.94x)",
-        "line": "plan: ssd AR rounds",
+        "choice": "ssd K=1 budget=6 (predicted 1.27x)",
+        "line": "plan: ssd K=1",
     }
     one = {"chosen": {"k": 1, "ar_rounds": True}, "choice": "AR rounds (predicted 0.70x)"}
     ran = []
@@ -75,8 +75,12 @@ def test_a_launched_ssd_that_declines_runs_again_in_one_process_on_every_core(mo
     assert len(ran) == 4 and "ssd_jax.launch" in ran[2] and "ssd_jax.launch" not in ran[3]
     row = capsys.readouterr().out.splitlines()
     ssd = next(r for r in row if r.startswith("| ssd |"))
-    assert "AR rounds (predicted 0.70x), one process (its own core: AR rounds (predicted 0.94x))" in ssd
-    # a launched run that speculates, or declines without the whole-machine price, is the row as it ran
-    launched["predicted"] = {}
-    ran.clear()
-    assert demo.run(["--tokens", "4"]) == 0 and len(ran) == 3
+    want = (
+        "AR rounds (predicted 0.70x), one process (on its own core: ssd K=1 budget=6 (predicted 1.27x), 0.87x"
+    )
+    assert want in ssd
+    # a launched layout predicted to pay, or a run without the whole-machine price, is the row as it ran
+    for predicted in ({"ar_reference": {**ref, "pays": True}}, {}):
+        launched["predicted"] = predicted
+        ran.clear()
+        assert demo.run(["--tokens", "4"]) == 0 and len(ran) == 3

@@ -4,9 +4,9 @@ its draft model in a JAX process of its own (``python -m ssd_jax.launch --proces
 --cpus-per-process 1``: the target on core 0, the draft on core 1). Each method runs as its own
 ``python -m ssd_jax.decode --json`` and the table says whether its tokens equal AR's and, beside each
 row, the plan's choice: its K, or AR rounds where no speculation is predicted to beat AR by more than
-the planner's error (K auto). The launched SSD prices itself against AR on both cores; where that
-declines (the draft's core would serve AR better), the SSD row is run again in one process on every
-core, under that layout's own plan, and the row names both choices.
+the planner's error (K auto). The launched SSD's plan also prices the layout against AR on both cores;
+where that fails (the draft's core would serve AR better), the SSD row is run again in one process on
+both cores, under that layout's own plan, and the row names both choices.
 
 One prompt and one run each: an anecdote, not a benchmark (the benchmarks: docs/benchmarking.md).
 """
@@ -69,10 +69,11 @@ def _commands(args) -> dict[str, list[str]]:
 
 
 def _declined_launch(result: dict) -> bool:
-    """Whether SSD's launched run chose AR rounds: its plan, priced against AR on both cores, found its
-    own core too little (planning/reference.py). AR then belongs on the whole machine, in one process."""
-    plan = result["metrics"].get("plan") or {}
-    return bool(plan.get("chosen", {}).get("ar_rounds") and (plan.get("predicted") or {}).get("ar_reference"))
+    """Whether SSD's launched run is predicted below AR on both cores by the planner's margin
+    (``plan.predicted.ar_reference.pays``, planning/reference.py): the second core then serves AR better
+    than SSD's draft, and SSD belongs in one process on both."""
+    ref = ((result["metrics"].get("plan") or {}).get("predicted") or {}).get("ar_reference") or {}
+    return ref.get("pays") is False
 
 
 def table(results: dict[str, dict]) -> str:
@@ -118,9 +119,9 @@ def run(argv=None) -> int:
         )
         results["ssd"] = _run(one_process)
         plan = results["ssd"]["metrics"].get("plan") or {}
-        plan["choice"] = (
-            f"{plan.get('choice', '-')}, one process (its own core: {launched['metrics']['plan']['choice']})"
-        )
+        ref = launched["metrics"]["plan"]["predicted"]["ar_reference"]
+        own = f"{launched['metrics']['plan']['choice']}, {ref['expected_speedup']:.2f}x AR on both"
+        plan["choice"] = f"{plan.get('choice', '-')}, one process (on its own core: {own})"
     print(f"\n{args.prompt}\n\n{results['ar']['outputs'][0]['text'].strip()}\n")
     print(table(results))
     print("\nOne prompt, one greedy run each (an anecdote; the benchmarks: docs/benchmarking.md).")

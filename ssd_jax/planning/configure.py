@@ -28,8 +28,8 @@ Across processes every process measures, and all take process 0's choices (fixed
 
 from __future__ import annotations
 
+import logging
 import dataclasses
-import sys
 import time
 
 from ssd_jax.drafters.base import check_same_tokenizer
@@ -51,6 +51,8 @@ from ssd_jax.planning.variants import (
     ssd_best,
     two_meshes,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Plan", "configure"]
 
@@ -113,11 +115,9 @@ class Plan:
         m, p = self.measured or {}, self.predicted or {}
         if self.ar_rounds:
             b = p["best_speculation"]
-            r = p.get("ar_reference")
-            where = f" on all {r['cores']} cores (run it unlaunched for AR on them)" if r else " here"
             cfg = f"K={b['k']}" + (f" budget={b['budget']}" if b.get("budget") is not None else "")
             out += (
-                f" AR rounds: the best speculation ({cfg}) is predicted at {b['expected_speedup']:.2f}x AR{where}, "
+                f" AR rounds: the best speculation ({cfg}) is predicted at {b['expected_speedup']:.2f}x AR here, "
                 f"not above AR by more than the planner's {c.get('margin', SERVING_MARGIN):.0%} error"
             )
         else:
@@ -138,8 +138,8 @@ class Plan:
                 out += f", t_verify(K+1) {1e3 * m['t_verify']:.2f} ms"
             if m.get("t_draft_step") or m.get("t_head"):
                 out += f", draft step {1e3 * (m.get('t_draft_step') or m['t_head']):.2f} ms"
-        if r := p.get("ar_reference"):  # SSD's processes split the cores: AR would have them all
-            out += f"; priced against AR on all {r['cores']} cores: t_ar {1e3 * r['t_ar']:.2f} ms ({r['source']})"
+        if r := p.get("ar_reference"):  # SSD's processes split the cores: AR could have them all
+            out += f"; {r['line']}"
         if m.get("round_overhead"):
             o = m["round_overhead"]
             out += f"; SSD fixed cost +{1e3 * max(0.0, o['ssd_s'] - o['sd_s']):.2f} ms/round over SD's ({o['source']})"
@@ -229,7 +229,7 @@ def _round_overhead(calibrator: Calibrator, spec, round_timer) -> float:
     try:
         rec = calibrator.round_overhead(layout, lambda: round_timer(spec))
     except (UserError, ValueError, RuntimeError) as e:  # a layout the tiny rounds cannot run on: unpriced
-        print(f"warning: SSD's fixed cost a round not measured ({e})", file=sys.stderr)
+        log.warning(f"warning: SSD's fixed cost a round not measured ({e})")
         return time.perf_counter() - t0
     calibrator.overhead = Overhead(ssd_s=max(0.0, rec["ssd_s"] - rec["sd_s"]), fast_s=rec["ar_s"])
     calibrator.overhead_record = rec
@@ -278,19 +278,15 @@ def _choose_k(calibrator: Calibrator, spec, rows: int, buckets, serving: bool):
     t0 = time.perf_counter()
     draft = spec.draft if spec.draft not in ("ngram", "random") else None
     cal = calibrator.record(spec, draft, rows)
-    priced, ref = cal, None
-    if spec.method == "ssd" and multi_process() and two_meshes(spec) and reference.needed():
-        ref = reference.agreed_step(calibrator.model, rows)  # AR on all the launcher's cores, not this one's
-        priced = dataclasses.replace(cal, costs=dataclasses.replace(cal.costs, t_ar=ref["t_ar"]))
-    sp = speedups_of(priced)
+    sp = speedups_of(cal)
     k, extra = best_k(sp), {}
-    if (best := ssd_best(priced, spec, rows, calibrator.overhead)) is not None:  # SSD: K, budget, miss path
+    if (best := ssd_best(cal, spec, rows, calibrator.overhead)) is not None:  # SSD: K, budget, miss path
         k = best["k"]
         if spec.fan_out == "geometric" and spec.fan_out_budget is None:
             spec = dataclasses.replace(spec, fan_out_budget=best["budget"])
         extra = {"ssd_plan": best, "ssd_overlap_model": two_meshes(spec), "backup_given": spec.backup}
-        if ref is not None:
-            extra["ar_reference"] = ref
+        if multi_process() and two_meshes(spec) and reference.needed():  # split cores: AR on all of them?
+            extra["ar_reference"] = reference.layout_check(calibrator.model, rows, cal.costs.t_ar, best)
         if spec.backup == "auto" and two_meshes(spec):  # the plan's miss path (on one device auto is neural)
             spec = dataclasses.replace(spec, backup="neural" if best["backup"] == "neural" else "ngram")
     policy = None
