@@ -8,7 +8,7 @@ import sys
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
-__all__ = ["Parser", "add_model_args", "add_spec_args", "spec_from_args"]
+__all__ = ["Parser", "add_log_level", "add_model_args", "add_spec_args", "spec_from_args"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,6 +21,30 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Parsed as argparse does; where the command has ``--log-level``, the log handler is set to it
+        before anything else runs."""
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "log_level", None):
+            from ssd_jax.errors import configure_logging
+
+            configure_logging(ns.log_level)
+        return ns, rest
+
+
+def add_log_level(p, help_extra: str = "") -> None:
+    """``--log-level``: what the ``ssd_jax`` loggers show on stderr (info: the start-up lines and the
+    plan too; warning: warnings and errors only)."""
+    from ssd_jax.errors import LOG_LEVELS
+
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="what is logged on stderr: info (default) shows the plan and the start-up lines, warning "
+        "only warnings and errors" + help_extra,
+    )
 
 
 def add_model_args(p) -> None:

@@ -18,6 +18,7 @@ import os
 import sys
 
 from ssd_jax.cli.args import DEFAULT_TARGET, Parser, add_model_args, add_spec_args, spec_from_args  # noqa: F401
+from ssd_jax.cli.args import add_log_level
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_link_host(g)
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    add_log_level(g)
     return p
 
 

@@ -191,7 +191,6 @@ class Engine:
         self.preemptions = 0
         self._admitted = 0  # admissions so far (the newest running sequence is preempted first)
         self.compile_s = method.setup(self)
-
         if not admit_together:  # a server: the sequences' keys too (jax.random compiles at first use)
             for index in (0, 1):
                 Sequence([0], SamplingParams(), index=index).key_data()
@@ -201,6 +200,7 @@ class Engine:
         for its methods to compile before it serves."""
         one = np.zeros(1, np.int32)
         return [Chunk(one, np.zeros((1, self.C), np.int32), one, one, self.B == 1, w) for w in self.windows]
+
     # --- the caller's side
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:

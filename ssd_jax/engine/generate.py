@@ -10,9 +10,9 @@ row gives the same tokens whatever shares its batch, offline as in the server.
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -28,6 +28,8 @@ from ssd_jax.errors import UserError
 from ssd_jax.parallel.distributed import multi_process
 from ssd_jax.planning import configure
 from ssd_jax.sampling.filters import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def generate(
@@ -69,7 +71,7 @@ def generate(
     # method whose K is fixed, or SSD traced (stage by stage, no switch), runs the target's AR method
     ar_method = plan.ar_rounds and (spec.k_plan is None or bool(trace and spec.method == "ssd"))
     if ar_method and trace:
-        print(f"warning: no trace written, {plan.line()[6:]} (--k N traces SSD)", file=sys.stderr)
+        log.warning(f"warning: no trace written, {plan.line()[6:]} (--k N traces SSD)")
     method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace, ar_rounds=ar_method)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
     _, max_len = plan_batch(model, rows_ids, sampling, spec)

@@ -9,9 +9,9 @@ pytree, tokenizer). GGUF sources (registered or by path) are converted once into
 
 from __future__ import annotations
 
+import logging
 import json
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,8 @@ from ssd_jax.models.forms import Forms
 from ssd_jax.models.form_timing import resolve as resolve_forms
 from ssd_jax.models.params import check_flat, to_layout, unflatten
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "LoadedModel",
     "NumpyModel",
@@ -52,7 +54,7 @@ def registered_models() -> list[str]:
 
 
 def _warn(msg: str) -> None:
-    print(f"ssd_jax: {msg}", file=sys.stderr)
+    log.warning(f"ssd_jax: {msg}")
 
 
 def _unknown(name: str) -> UserError:

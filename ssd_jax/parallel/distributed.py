@@ -25,6 +25,7 @@ peer vanished ends the same way (the CLI catches it).
 
 from __future__ import annotations
 
+import logging
 import atexit
 import functools
 import json
@@ -37,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+log = logging.getLogger(__name__)
 
 #: seconds without a heartbeat before the coordinator declares a process dead (and the others exit);
 #: 10 s proved too short on a loaded 2-core CI machine (compiles starve the heartbeat threads)
@@ -233,7 +235,7 @@ def _connect():
         conn.settimeout(None)
     link = Link(conn, me, peer, address)
     link.agree("the installation", identity(), optional=("commit",))
-    print(f"[link] process {me} linked to process {peer} (TCP, authenticated)", file=sys.stderr, flush=True)
+    log.info(f"[link] process {me} linked to process {peer} (TCP, authenticated)")
     return link
 
 

@@ -17,11 +17,11 @@ without the models) and the layout (one device, or the target's and the draft's 
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import hashlib
 import json
 import os
-import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +32,8 @@ import numpy as np
 from ssd_jax.loading.registry import cache_root
 from ssd_jax.models import kernels
 from ssd_jax.planning.calibration import draft_part, target_part
+
+log = logging.getLogger(__name__)
 
 #: the on-disk format; a file of another format is measured again
 FORMAT = 2
@@ -251,4 +253,4 @@ def write_atomic(path: Path, rec: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        print(f"warning: k=auto calibration not cached ({e})", file=sys.stderr)
+        log.warning(f"warning: k=auto calibration not cached ({e})")

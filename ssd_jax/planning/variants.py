@@ -8,8 +8,8 @@ variant's own head. :func:`draft_variants` lists the variants worth measuring on
 
 from __future__ import annotations
 
+import logging
 import dataclasses
-import sys
 
 import jax
 
@@ -17,6 +17,8 @@ from ssd_jax.errors import UserError
 from ssd_jax.models import kernels
 from ssd_jax.planning.sd_model import best_k, speedups_of
 from ssd_jax.planning.ssd_model import best_ssd_plan
+
+log = logging.getLogger(__name__)
 
 #: a draft whose weight matrices stream fewer bytes than this per step is not offered bfloat16
 #: weights: its weights stay in the caches, so halving them saves nothing (and tiny test models
@@ -131,7 +133,7 @@ def measure_variants(calibrator, spec, draft, batch: int, load) -> tuple[list[di
         try:
             v = apply_variant(draft, dt, dv, load)
         except (OSError, UserError) as e:  # e.g. no corpus to count tokens on: skip the variant
-            print(f"warning: draft vocabulary {dv} not tried ({e})", file=sys.stderr)
+            log.warning(f"warning: draft vocabulary {dv} not tried ({e})")
             continue
         cal = calibrator.record(dataclasses.replace(spec, draft=v), v, batch)
         measured |= cal.source == "measured"

@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import signal
 import sys
 
-from ssd_jax.cli.args import Parser, add_model_args, add_spec_args, spec_from_args
+from ssd_jax.cli.args import Parser, add_log_level, add_model_args, add_spec_args, spec_from_args
 from ssd_jax.parallel.distributed import is_main
+
+log = logging.getLogger("ssd_jax.serve")  # not __name__: run with -m, this module is __main__
 
 
 def build_parser() -> Parser:
@@ -76,7 +79,7 @@ def build_parser() -> Parser:
         help="require 'Authorization: Bearer KEY' on the /v1 routes (default: $SSD_JAX_API_KEY; "
         "/health and /metrics stay open)",
     )
-    g.add_argument("--log-level", default="warning")
+    add_log_level(g, "; uvicorn's own lines show at warning and above, or at debug")
     g.add_argument(
         "--distributed",
         action="store_true",
@@ -99,6 +102,9 @@ def run(argv=None) -> int:
 
 
 def _serve(args) -> int:
+    from ssd_jax.compile import XLA_COMPILES
+
+    XLA_COMPILES.start()  # every compilation of the process is counted: /metrics splits them at warm-up's end
     spec = _checked_spec(args)
     import uvicorn
 
@@ -122,15 +128,13 @@ def _serve(args) -> int:
         if spec.method == "ssd"
         else ""
     )
-    print(
+    log.info(
         f"[serve] {name} method={spec.method}"
         + (f" draft={args.draft} k={k}{k_note}{ssd}" if k else "")
         + f" slots={args.max_batch} buckets={','.join(map(str, method.buckets))} context={max_len} "
         f"windows={','.join(map(str, engine.windows))}{_paged_note(engine.engine)}{_layout_note()}: "
         f"compiled in {engine.engine.compile_s:.1f}s; "
-        f"http://{args.host}:{args.port}/v1",
-        file=sys.stderr,
-        flush=True,
+        f"http://{args.host}:{args.port}/v1"
     )
     import os
 
@@ -140,7 +144,7 @@ def _serve(args) -> int:
         app,
         host=args.host,
         port=args.port,
-        log_level=args.log_level,
+        log_level=args.log_level if args.log_level in ("debug", "error") else "warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     server = _server_class()(config)
@@ -152,6 +156,7 @@ def _serve(args) -> int:
             server.should_exit = True
 
         engine.on_dead = on_dead
+    XLA_COMPILES.mark()  # warm: whatever compiles from here on is counted, and logged, as serving's
     server.run()
     if engine.channel is not None:
         if dead:
@@ -170,7 +175,10 @@ def _follow(engine) -> int:
     from ssd_jax.serve.lockstep import LockstepError, follow
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("[serve] process 1: following process 0's steps", file=sys.stderr, flush=True)
+    from ssd_jax.compile import XLA_COMPILES
+
+    XLA_COMPILES.mark()
+    log.info("[serve] process 1: following process 0's steps")
     try:
         follow(engine.engine, engine.channel)
     except (LockstepError, WireError, PeerAborted) as e:  # the peer broke the protocol, or we diverged
@@ -262,7 +270,7 @@ def _planned(args, spec, model):
     load = functools.partial(load_with_head, dtype=model.cfg.dtype)  # as ssd_jax.generate loads drafts
     buckets = batch_buckets(args.max_batch, args.batch_buckets)
     spec, plan = configure(model, spec, rows=args.max_batch, load=load, buckets=buckets, serving=True)
-    print(f"[serve] {plan.line()}", file=sys.stderr, flush=True)
+    log.info(f"[serve] {plan.line()}")
     info, policy = plan.k_auto, spec.k_plan
     if spec.method == "ar" or info is None or "alpha" not in info:
         return spec, "" if info is None else f" (auto: {info['source']})", plan
@@ -286,11 +294,9 @@ def _planned(args, spec, model):
             plan,
         )
     if expected < 1.0:
-        print(
+        log.warning(
             f"[serve] warning: at {args.max_batch} rows the plan expects --method {spec.method} to run at "
-            f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster (docs/serving.md)",
-            file=sys.stderr,
-            flush=True,
+            f"{expected:.2f}x AR even at its best K ({spec.k}); --method ar may serve faster (docs/serving.md)"
         )
     return spec, f" (auto: alpha {info['alpha']:.2f}, expected {expected:.2f}x AR, {info['source']})", plan
 
@@ -329,7 +335,10 @@ def _serving_engine(args, spec, model, max_len):
 
     from ssd_jax.parallel.distributed import multi_process
 
+    from ssd_jax.compile import XLA_COMPILES
+
     metrics = Metrics(0 if spec.method == "ar" else int(spec.k))
+    metrics.count_compiles(XLA_COMPILES)
     spec.validate()
     method = build_method(model, spec, ALL_MODES, load_model)
     core = Engine(

@@ -9,13 +9,15 @@ with ``("text", new_text)`` and finally ``("done", Sequence)``.
 
 from __future__ import annotations
 
+import logging
 import itertools
 import secrets
-import sys
 import threading
 
 from ssd_jax.engine.core import Engine, Sequence
 from ssd_jax.serve.lockstep import IDLE_S
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineDead", "QueueFull", "Sequence", "ServingEngine", "fresh_seed"]
 
@@ -138,7 +140,7 @@ class ServingEngine:
     def _die(self, e: Exception) -> None:
         """Every sequence in a slot or waiting ends with ``error``; later submissions get :class:`EngineDead`."""
         msg = " ".join(f"{type(e).__name__}: {e}".split())[:500]
-        print(f"[serve] engine failed: {msg}", file=sys.stderr, flush=True)
+        log.error(f"[serve] engine failed: {msg}")
         with self._cv:
             self.error, self._stop = msg, True
             self.engine.waiting.extend(self._staged)

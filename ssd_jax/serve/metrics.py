@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -88,6 +89,12 @@ class Metrics:
             registry=r,
         )
 
+    def count_compiles(self, compiles) -> None:
+        """Export a :class:`ssd_jax.compile.XlaCompiles`: ``ssd_jax:xla_compilations_total`` and
+        ``ssd_jax:xla_compile_seconds_total`` by ``phase``, ``warmup`` (start-up) or ``serving`` (after
+        the server was warm: 0 when every program a request can run was compiled before serving)."""
+        self.registry.register(_Compiles(compiles))
+
     def sequence_done(self, s) -> None:
         """One sequence ended (engine thread): its tokens and latencies."""
         n = len(s.row.tokens) if s.row is not None else 0
@@ -140,3 +147,29 @@ def _plan_gauge(registry) -> Gauge:
         ["batch"],
         registry=registry,
     )
+
+
+class _Compiles:
+    """A collector reading the process's XLA compile count at each scrape."""
+
+    def __init__(self, compiles):
+        self.compiles = compiles
+
+    def collect(self):
+        c = self.compiles
+        n = CounterMetricFamily(
+            "ssd_jax:xla_compilations",
+            "XLA compilations in this process (a persistent-cache load included), by phase: warmup (before "
+            "the server was ready) or serving (after: a program compiled while requests wait)",
+            labels=["phase"],
+        )
+        n.add_metric(["warmup"], c.count - c.since_mark)
+        n.add_metric(["serving"], c.since_mark)
+        s = CounterMetricFamily(
+            "ssd_jax:xla_compile_seconds", "Seconds those compilations took, by phase", labels=["phase"]
+        )
+        serving_s = c.seconds - c.seconds_at_mark if c.marked else 0.0
+        s.add_metric(["warmup"], c.seconds - serving_s)
+        s.add_metric(["serving"], serving_s)
+        yield n
+        yield s

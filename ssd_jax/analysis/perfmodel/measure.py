@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from ssd_jax.analysis.perfmodel.shapes import MODEL_CONFIGS
 from ssd_jax.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def measure_forward(
@@ -60,9 +62,8 @@ def measure_forward(
                     "compile_s": comp,
                 }
             )
-            print(
-                f"{name} b={b} T={T}: {float(statistics.median(ts)) * 1e3:.3f} ms (compile {comp:.1f} s)",
-                file=sys.stderr,
+            log.info(
+                f"{name} b={b} T={T}: {float(statistics.median(ts)) * 1e3:.3f} ms (compile {comp:.1f} s)"
             )
             if out:
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
