@@ -140,6 +140,7 @@ def test_launched_processes_name_every_core_given_out_and_a_reference_child_runs
     assert reference.machine_cores() == [0, 1]
     child = reference.child_env([0, 1])
     assert child[CPUS_ENV] == "0,1" and child["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"  # one device, same ISA
+    assert child["SSD_JAX_KAUTO_RECALIBRATE"] == "1"  # its own timing, whatever target-costs record exists
     assert not {"JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_ID", reference.MACHINE_CPUS_ENV} & set(child)
     assert not reference.needed()  # this test process is not pinned by the launcher
 

@@ -74,6 +74,7 @@ def child_env(cores: list[int]) -> dict:
 
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env[CPUS_ENV] = ",".join(map(str, cores))
+    env["SSD_JAX_KAUTO_RECALIBRATE"] = "1"  # timed now, not an older target-costs record (made under load?)
     flags = [
         f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")
     ]
