@@ -2,8 +2,9 @@
 process 0 serves HTTP and schedules, process 1 runs SSD's draft and steps the same engine as process 0
 tells it (``ssd_jax.serve.lockstep``). On the tiny random pair with SmolLM2's tokenizer: greedy
 requests over HTTP (concurrent, streamed and not, more than the slots) equal offline AR, a shared
-prompt is found in both models' prefix caches, SIGTERM ends both processes with status 0; a killed
-process 1 fails the running requests with a server error and ends the server with a non-zero status."""
+prompt is found in both models' prefix caches, no process listens on a wildcard address, SIGTERM ends
+both processes with status 0; a killed process 1 fails the running requests with a server error and ends
+the server with a non-zero status."""
 
 import json
 import re
@@ -77,6 +78,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """The (hex address, port) of every TCP socket ``pid`` listens on, from /proc/net/tcp{,6}."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # state LISTEN
+                    addr, port = cols[1].split(":")
+                    found.append((addr, int(port, 16)))
+    return found
+
+
 def _complete(url, prompt, max_tokens, stream=False):
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     body["model"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -112,6 +136,9 @@ def test_greedy_over_http_equals_offline_ar_and_sigterm_ends_both(pair):
     for t in threads:
         t.join(180)
     assert [got.get(i) for i in range(len(PROMPTS))] == want
+    # no process listens on every interface (the coordinator, the link, gloo and HTTP on loopback)
+    listening = {i: _listening(p) for i, p in pids.items()}
+    assert listening[0] and not [a for ls in listening.values() for a in ls if set(a[0]) == {"0"}], listening
     # a shared prompt's blocks are found again (both caches: one block table)
     shared = " ".join(PROMPTS)
     first, again = _complete(url, shared + " one", 6), _complete(url, shared + " two", 6)
