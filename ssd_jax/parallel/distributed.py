@@ -205,7 +205,7 @@ def _connect():
     answers its challenge with the run's secret (``SSD_JAX_LINK_SECRET``), dropping any other; process 1
     connects there and checks process 0 the same way. Both then agree on the package version and commit.
     Made once per process, at the first use, in the same order in both (every process runs the same
-    program). A peer that closes the connection raises ``ConnectionError``; a peer that dies is caught by
+    program). A peer that closes the connection raises ``RuntimeError``; a peer that dies is caught by
     the watchdog (:func:`fail_fast`)."""
     import socket
 

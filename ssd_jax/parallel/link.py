@@ -104,7 +104,7 @@ def _read(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise ConnectionError("the peer process closed its link (it may have died)")
+            raise RuntimeError("the peer process closed its link (it may have died)")
         got += k
     return bytes(buf)
 
@@ -131,7 +131,7 @@ def answer(sock: socket.socket, secret: bytes, where: str) -> None:
     sock.sendall(_MAGIC + mine + _mac(secret, b"1", theirs, mine))
     try:
         mac = _read(sock, _MAC)
-    except ConnectionError:
+    except (RuntimeError, OSError):  # closed or reset: it dropped us
         raise WireError(
             f"process 0 ({where}) refused our answer to its challenge: the processes' {SECRET_ENV} differ"
         ) from None
@@ -158,7 +158,7 @@ def accept_peer(srv: socket.socket, secret: bytes, timeout_s: float) -> tuple[so
         conn.settimeout(HANDSHAKE_S)
         try:
             ok = challenge(conn, secret)
-        except (OSError, ConnectionError):
+        except (OSError, RuntimeError):  # reset, silent past HANDSHAKE_S, or closed
             ok = False
         if ok:
             conn.settimeout(None)
