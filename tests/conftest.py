@@ -183,3 +183,15 @@ def small_pair():
     return tiny_model(3, vocab=V_SMALL, scale=0.3, layers=1), tiny_model(
         3, vocab=V_SMALL, scale=0.2, layers=1
     )
+
+
+# Every test phase's seconds, appended as it ends (the controller's view under xdist), when
+# SSD_JAX_TEST_DURATIONS names a file: a run that dies still leaves what it measured.
+# `python tools/test_durations.py FILE` sums it per file (docs/testing.md's tables).
+_DURATIONS = os.environ.get("SSD_JAX_TEST_DURATIONS")
+
+
+def pytest_runtest_logreport(report):
+    if _DURATIONS and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's copy only
+        with open(_DURATIONS, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")
