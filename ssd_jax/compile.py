@@ -94,6 +94,10 @@ class Compiled:
         return exe(*args)
 
 
+#: programs kept beyond those a live engine holds (:class:`ProgramCache`)
+SPARE = 64
+
+
 class ProgramCache:
     """The memo of the compiled-program factories (:func:`program_factory`): one :class:`Compiled` per
     factory and arguments, so that every engine of a process shares a program once it is compiled.
@@ -106,9 +110,14 @@ class ProgramCache:
     garbage: nothing a warm engine calls is evicted, whatever its configuration. The other programs
     (offline runs, calibrations, engines gone) are kept up to ``spare``, least recently used first: each
     holds compiled code and XLA:CPU maps every executable separately, so a process building many
-    engines (a test run) must not keep them all."""
+    engines (a test run) must not keep them all: an entry of the tiny test models holds about 300
+    memory mappings, and Linux allows a process 65,530 (``vm.max_map_count``); 256 spare entries took
+    the test suite's workers past it (XLA aborted in a compile or a cache read). :data:`SPARE` keeps
+    them at about 20,000, room for a benchmark's interleaved methods; :meth:`drop_unheld` empties the
+    rest at will (the test suite does after each module)."""
 
-    def __init__(self, spare: int = 256):
+    def __init__(self, spare: int | None = None):
+        spare = SPARE if spare is None else spare
         self.spare = spare
         self._entries: dict = {}
         self._loose: collections.OrderedDict = collections.OrderedDict()  # unpinned keys, oldest first
@@ -167,6 +176,17 @@ class ProgramCache:
                     if key in self._entries:
                         self._loose[key] = None
         self._evict()
+
+    def drop_unheld(self) -> int:
+        """Forget every program no live holder pinned (they compile again, or load from the persistent
+        cache, when asked for); returns how many were dropped."""
+        with self._lock:
+            self._settle()
+            n = len(self._loose)
+            for key in self._loose:
+                self._entries.pop(key, None)
+            self._loose.clear()
+            return n
 
     def _evict(self) -> None:
         while len(self._loose) > self.spare:

@@ -96,6 +96,17 @@ def _save_tiny(kind: str, path):
     return model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _programs_per_module():
+    """Each module's compiled programs go when it ends (unless an engine still holds them): a worker runs
+    many modules, and XLA:CPU maps every executable separately, so keeping them all took a worker past
+    Linux's 65,530 mappings a process (ssd_jax.compile.ProgramCache)."""
+    yield
+    from ssd_jax.compile import programs
+
+    programs().drop_unheld()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kauto_cache(tmp_path_factory):
     """k="auto" measurements of the session go to a temporary folder (subprocesses inherit it), never

@@ -85,3 +85,20 @@ def test_xla_compiles_counts_after_the_mark_by_name():
     n = counter.count
     jax.jit(doubled)(jnp.ones(11, jnp.float32)).block_until_ready()
     assert counter.count == n  # stopped: no longer listening
+
+
+def test_drop_unheld_forgets_loose_programs_and_keeps_held_ones():
+    from ssd_jax.compile import SPARE, ProgramCache
+
+    class Holder:
+        pass
+
+    cache, h = ProgramCache(), Holder()
+    assert cache.spare == SPARE <= 100  # ~300 mappings an entry: well under vm.max_map_count's 65,530
+    with cache.held_by(h):
+        cache.get("held", lambda: "program")
+    for k in range(5):
+        cache.get(k, lambda k=k: k)
+    assert cache.drop_unheld() == 5 and len(cache) == 1 and cache.pinned == 1
+    built = []
+    assert cache.get("held", lambda: built.append(1)) == "program" and not built  # still there

@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     print("| file | tests | s | failed |\n|---|---|---|---|")
     for name, s in secs.most_common():
         print(f"| {name} | {len(tests[name])} | {s:.1f} | {failed[name] or ''} |")
-    print(f"| **all** | {sum(len(t) for t in tests.values())} | {sum(secs.values()):.1f} | {sum(failed.values())} |")
+    print(
+        f"| **all** | {sum(len(t) for t in tests.values())} | {sum(secs.values()):.1f} | {sum(failed.values())} |"
+    )
     print(f"\nslowest {a.top} phases:")
     for nodeid, phase, s, _ in sorted(rows, key=lambda r: -r[2])[: a.top]:
         print(f"{s:8.1f}  {phase:8s}  {nodeid}")
