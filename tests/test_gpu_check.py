@@ -1,6 +1,12 @@
 """tools/gpu_check.py cannot rot: its --smoke mode (the GPU script's code path end to end, on
-CPU with tiny shapes, the round-cost, command-buffer and exactness steps included) runs here, its
-tables render from known results, and its full-size model shapes are Qwen2.5-1.5B's and 0.5B's."""
+CPU with tiny shapes) runs here, its tables render from known results, and its full-size model shapes
+are Qwen2.5-1.5B's and 0.5B's.
+
+The default set runs the short smoke (``--only build,device,cmdbuf,roundcost``: the driver, its report,
+and the steps whose code only this script has, about 25 s); the whole smoke (the engine and exactness
+steps too, about 50 s) is in the slow set, which CI runs. The engine step's property, every loop giving
+AR's tokens at T = 0, is the default set's in test_engine.py, test_sd.py and test_ssd.py; the exactness
+step's, numerics and the goodness of fit with its control, in test_verify.py and test_exactness.py."""
 
 import importlib.util
 import json
@@ -9,6 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_check.py"
@@ -38,33 +46,46 @@ def test_results_name_the_commit_and_jax():
     assert gc.jax_version() == jax.__version__
 
 
-# in the default set (the round-cost, command-buffer and exactness steps must keep working before a GPU
-# is lent): 35-50 s on the 2-core machine beside a benchmark, 22-35 s of it the new steps
-def test_smoke_run_end_to_end(tmp_path):
+def _smoke(tmp_path, *flags) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--smoke",
-            "--out",
-            str(tmp_path / "out"),
-            "--work",
-            str(tmp_path / "work"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env=env,
-    )
-    log = (
-        (tmp_path / "out" / "gpu_check.log").read_text()
-        if (tmp_path / "out" / "gpu_check.log").exists()
-        else ""
-    )
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--smoke",
+        "--out",
+        str(tmp_path / "out"),
+        "--work",
+        str(tmp_path / "work"),
+    ]
+    p = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    log_file = tmp_path / "out" / "gpu_check.log"
+    log = log_file.read_text() if log_file.exists() else ""
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:] + log[-3000:]
-    res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    return json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+
+
+def test_short_smoke_runs_the_steps_only_this_script_has(tmp_path):
+    res = _smoke(tmp_path, "--only", "build,device,cmdbuf,roundcost")
+    ran = {k for k, s in res["steps"].items() if s["status"] == "ok"}
+    assert ran == {"build", "device", "cmdbuf", "roundcost"}
+    assert {s["status"] for k, s in res["steps"].items() if k not in ran} == {"skipped: not in --only"}
+    assert res["smoke"] and res["commit"].split("+")[0] == _module().commit().split("+")[0]
+    assert res["steps"]["device"]["result"]["bandwidth_gb_s"]["read (sum)"] > 0
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "smoke run" in md and "## Round cost" in md
+
+
+def test_only_names_steps_it_has(tmp_path):
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--only", "build,nope", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode != 0 and "--only build,nope: steps are" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.slow  # ~50 s: the engine and exactness steps too (their library paths: see the docstring)
+def test_smoke_run_end_to_end(tmp_path):
+    res = _smoke(tmp_path)
     assert res["smoke"] and set(res["steps"]) == {
         "build",
         "device",

@@ -860,6 +860,11 @@ def main(argv=None) -> int:
         "--work", default=None, help="where the model folders go (default: a temp dir; not under --out)"
     )
     ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated steps to run, the others recorded as skipped (e.g. the test suite's short smoke)",
+    )
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--cfg", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -881,8 +886,14 @@ def main(argv=None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = smoke_xla_flags()
     steps = {}
+    only = None if a.only is None else {x.strip() for x in a.only.split(",") if x.strip()}
+    if only is not None and not only <= set(cfg["limits"]):
+        raise SystemExit(f"error: --only {a.only}: steps are {', '.join(cfg['limits'])}")
     with open(out / "gpu_check.log", "w") as log:
         for name, limit in cfg["limits"].items():
+            if only is not None and name not in only:
+                steps[name] = {"status": "skipped: not in --only", "seconds": 0.0}
+                continue
             left = a.budget_s - (time.perf_counter() - t0)
             if left < max(10.0, OPTIONAL.get(name, 0.0)):
                 steps[name] = {"status": "skipped: budget spent", "seconds": 0.0}
@@ -924,7 +935,9 @@ def main(argv=None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
     (out / "gpu_check.md").write_text(render(res))
     print(render(res))
-    skipped = lambda k, s: k in OPTIONAL and s["status"].startswith("skipped")  # noqa: E731
+    skipped = lambda k, s: (
+        (k in OPTIONAL and s["status"].startswith("skipped")) or s["status"].endswith("--only")
+    )  # noqa: E731
     return 0 if all(s["status"] == "ok" or skipped(k, s) for k, s in steps.items()) else 1
 
 
