@@ -15,7 +15,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint test-slow install kernels bench distill-data draft eagle eagle-qwen sdsl-validate clean
+.PHONY: demo test lint test-slow test-manual install kernels bench distill-data draft eagle eagle-qwen sdsl-validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not manual" -n 2 --dist loadfile
+
+test-manual: $(STAMP)
+	$(PY) -m pytest -q -m manual
 
 # the self-distillation recipe (checkpoints/README.md): target answers at T = 0 and 1 with their top-32
 # (length-sorted batches, one device call each, a few compiled prompt widths), then a KL + 0.1 CE run
