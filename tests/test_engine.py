@@ -355,16 +355,14 @@ def test_ssd_switching_without_the_catch_up_loses_acceptance(pair, monkeypatch):
     """The control of the test above: with the flush disabled, output still equals AR's (exact either
     way) but acceptance falls."""
     from ssd_jax.decoding import sd_lag
-    from ssd_jax.decoding.ssd import rounds
+
+    from ssd_jax.compile import fresh_programs
 
     target, _ = pair
-    rounds.ssd_programs.cache_clear()
     monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
-    try:
+    with fresh_programs():  # the rounds built with the patched flush, dropped after
         got, ar, _, acc = _ssd_switching(pair, target)
-        assert got == ar and acc < 0.8, acc
-    finally:
-        rounds.ssd_programs.cache_clear()
+    assert got == ar and acc < 0.8, acc
 
 
 @pytest.mark.slow

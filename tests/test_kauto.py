@@ -69,14 +69,17 @@ def test_auto_k_metrics_and_greedy_equality(pair, ar_ref):
         assert m["compile_s"] >= ka["calibration_s"]
         assert _ids(res) == ar_ref, d
     ssd = generate(target, PROMPTS, SP, SpecConfig(method="ssd", draft=draft))
-    assert ssd.metrics["k_auto"]["source"] == "cache"  # SSD reuses SD's measurement of the pair
+    # SD's record of the pair lacks what SSD's round model needs (the draft's step at several row counts,
+    # its build timed whole): SSD measures again (planning/records.py, Calibrator.record), then reuses it
+    ka = ssd.metrics["k_auto"]
+    assert ka["source"] == "measured" and {"t_draft_rows", "t_build"} <= set(ka["costs"])
     assert _ids(ssd) == ar_ref
     # an explicit k is used as given (here auto's own choice: the same compiled round, the same tokens)
     fixed = generate(target, PROMPTS, SP, SpecConfig(method="sd", draft="ngram", k=res.metrics["k"]))
     assert (
         fixed.metrics["k_auto"] is None and fixed.metrics["k"] == res.metrics["k"] and _ids(fixed) == ar_ref
     )
-    assert "k_auto" not in generate(target, PROMPTS, SP).metrics  # AR ignores k
+    assert generate(target, PROMPTS, SP).metrics.get("k_auto") is None  # AR ignores k
 
 
 def test_cache_reuse_gives_the_same_k_and_tokens(pair, tmp_path, monkeypatch):
