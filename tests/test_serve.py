@@ -340,7 +340,10 @@ def test_sd_servers_match_offline_and_count(servers, offline, method):
     n_req, gen = 7, d["ssd_jax:generation_tokens_total"]
     assert n_req + drafts <= gen <= n_req + drafts + accepted
     if method in ("ssd", "ssd-eagle"):
-        assert drafted == 2 * drafts  # K = 2 proposals every round: from the cache or the backup
+        # at most K = 2 proposals a round: K from the cache or the neural backup, fewer from a fast one (the
+        # server's backup is "auto", which the cost model may send to n-gram lookup: measured on the tiny
+        # pair, 26 proposals in 30 rounds with auto, 84 in 42 with --backup neural)
+        assert drafted <= 2 * drafts
         lookups, hits = (
             d["ssd_jax:spec_decode_num_cache_lookups_total"],
             d["ssd_jax:spec_decode_num_cache_hits_total"],
