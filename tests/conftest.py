@@ -202,7 +202,32 @@ def small_pair():
 _DURATIONS = os.environ.get("SSD_JAX_TEST_DURATIONS")
 
 
+# A fifth column: the seconds of that phase this process spent in XLA compilations (loads from the
+# persistent cache included; a subprocess's own compilations are not seen).
+_COMPILES = {"counter": None, "seen": 0.0}
+
+
+def pytest_sessionstart(session):
+    if _DURATIONS:  # (after the XLA flags above are set)
+        from ssd_jax.compile import XlaCompiles
+
+        _COMPILES["counter"] = XlaCompiles().start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if _COMPILES["counter"] is None:
+        return
+    now = _COMPILES["counter"].seconds
+    outcome.get_result().user_properties.append(("xla_compile_s", now - _COMPILES["seen"]))
+    _COMPILES["seen"] = now
+
+
 def pytest_runtest_logreport(report):
     if _DURATIONS and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller's copy only
+        compile_s = dict(report.user_properties).get("xla_compile_s", 0.0)
         with open(_DURATIONS, "a") as f:
-            f.write(f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\n")
+            f.write(
+                f"{report.nodeid}\t{report.when}\t{report.duration:.3f}\t{report.outcome}\t{compile_s:.3f}\n"
+            )
