@@ -55,9 +55,12 @@ def _hf_greedy(model, ids, steps):
     return out[0, len(ids) :].tolist()
 
 
-# default set: the check a user trusts most (the HF model is already loaded for the logits test): all
-# four prompts, a code prompt and a chat-templated one in one batch, the two plain ones in another
-@pytest.mark.parametrize("which", [(0, 3), (1, 2)], ids=["code-chat", "plain"])
+# default set: the check a user trusts most (the HF model is already loaded for the logits test), a code
+# prompt and a chat-templated one in one batch; the two plain prompts (the same property on two more
+# prompts) in the slow set (default-suite budget: code-chat covers it)
+@pytest.mark.parametrize(
+    "which", [(0, 3), pytest.param((1, 2), marks=pytest.mark.slow)], ids=["code-chat", "plain"]
+)
 def test_greedy_tokens_match_transformers(ours, hf_model, which):
     prompts = [PROMPTS[i] for i in which]
     ids = [ours.tokenizer.encode(p) for p in prompts]
@@ -207,6 +210,10 @@ def test_streamed_text_is_the_decoded_text(ours):
         assert all(pieces[row])
 
 
+# slow set (default-suite budget): the default set checks SmolLM2's template against transformers'
+# (test_loading.py::test_smollm2_tokenizer_matches_transformers) and that generate(chat=True) applies it
+# (test_serve.py's ``offline`` fixture, on the tiny pair with SmolLM2's tokenizer)
+@pytest.mark.slow
 def test_chat_template_is_applied(ours):
     res = ssd_jax.generate(ours, ["What is 2+2?"], ssd_jax.SamplingParams(max_new_tokens=8), chat=True)
     o = res.outputs[0]

@@ -221,6 +221,8 @@ def offline(pair):
     plain = [o["token_ids"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
     plain_lp[:] = [o["logprobs"][:m] for o, m in zip(res.outputs, MAX_TOKENS)]
     chat = generate(model, [PROMPTS[0]], SamplingParams(max_new_tokens=12, logprobs=3), chat=True).outputs[0]
+    templ = model.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    assert "<|im_start|>" in templ and chat["prompt_tokens"] == len(model.tokenizer.encode(templ))
     seeded = generate(
         model, [PROMPTS[1]], SamplingParams(max_new_tokens=10, temperature=0.9, seed=11)
     ).outputs[0]

@@ -197,7 +197,7 @@ def test_k_auto_under_the_launcher_serves_ar_rounds_and_sigterm_ends_both(pair):
     from ssd_jax import SamplingParams, generate, load_model
 
     res = generate(load_model(pair[0]), PROMPTS[:3], SamplingParams(max_new_tokens=10))
-    proc, url, err = _launch(pair, "--k", "auto")
+    proc, url, err = _launch(pair, "--k", "auto", "--context-buckets", "1")  # one window: half the programs
     pids = _pids(err)
     got: dict[int, list[int]] = {}
     threads = [
