@@ -249,10 +249,7 @@ class Engine:
         fresh = np.array([s is not None and s is not rnd.seqs[b] for b, s in enumerate(self.slots)])
         out = self.method.read(rnd.handle, live, fresh)  # fresh: admitted after this round was queued
         self._push_round(rnd, out, live)
-        if hasattr(self.method, "settle"):
-            self.method.settle(
-                np.array([s is not None and s is rnd.seqs[b] for b, s in enumerate(self.slots)])
-            )
+        self.method.settle(np.array([s is not None and s is rnd.seqs[b] for b, s in enumerate(self.slots)]))
         if self.running == 0 and self.pending is not None and not self.waiting:
             self.method.drain(self.pending.handle)  # a round past the end: nothing runs into the caller
             self.pending = None

@@ -75,7 +75,7 @@ def generate(
     method = build_method(model, spec, (Mode.of([sampling]),), load, trace=trace, ar_rounds=ar_method)
     rows_ids = [list(x) for x in ids for _ in range(sampling.n)]
     _, max_len = plan_batch(model, rows_ids, sampling, spec)
-    draft = getattr(method, "draft", None)
+    draft = method.draft
     if draft is not None:
         plan_batch(draft, rows_ids, sampling, spec)  # the draft's context window must hold the batch too
     c0 = Compiled.total_s
@@ -90,7 +90,7 @@ def generate(
     res.metrics["k_auto"] = k_auto
     res.metrics["draft_auto"] = plan.draft_auto
     res.metrics["plan"] = plan.to_json()
-    res.metrics["plan"]["forms"] = forms_summary(model.cfg, getattr(draft, "cfg", None))
+    res.metrics["plan"]["forms"] = forms_summary(model.cfg, draft.cfg if draft is not None else None)
     if spec.method == "ssd" and not plan.ar_rounds:  # the prediction, Theorem 7's bound, the measurement
         from ssd_jax.planning.ssd_model import run_check
 
@@ -197,7 +197,7 @@ def _run(engine: Engine, prompts, rows_ids, sampling: SamplingParams, on_text) -
         if method.speculates:
             o["metrics"] = {
                 **engine.stats.row_metrics(b),
-                **(method.row_metrics(b) if hasattr(method, "row_metrics") else {}),
+                **method.row_metrics(b),
             }
         outputs.append(o)
     return GenerationResult(outputs, m, method=method.name)

@@ -199,7 +199,7 @@ def _plan_gauges(metrics, spec, plan, method) -> None:
         by_bucket = dict.fromkeys(method.buckets, 1.0)
     elif isinstance(policy, BucketPlans):
         by_bucket = policy.expected()
-    elif isinstance(policy, BucketSwitch) and getattr(method, "bucket_costs", None):
+    elif isinstance(policy, BucketSwitch) and method.bucket_costs:
         by_bucket = {
             b: 1.0 if b in method.ar_buckets else c["expected_speedup"]
             for b, c in method.bucket_costs.items()

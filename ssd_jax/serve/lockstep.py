@@ -138,7 +138,7 @@ def engine_state(engine) -> dict:
         "waiting": [s.uid for s in engine.waiting],
         "rounds": engine.rounds,
         "bucket": engine.pending.bucket if engine.pending is not None else None,
-        "k": getattr(engine, "last_k", None),
+        "k": engine.last_k,
         "rows": rows,
     }
     return {name: digest(v) for name, v in state.items()}

@@ -27,13 +27,19 @@ def chunk_args(c, put) -> tuple:
 
 
 class Method:
-    """The target's side of every method. Subclasses add their draft side and round programs."""
+    """The target's side of every method, and the interface the engine (:mod:`ssd_jax.engine.core`,
+    :mod:`ssd_jax.engine.generate`) and the server call: everything they call or read on a method is
+    declared here. Subclasses add their draft side and round programs (:meth:`compile_rounds`,
+    :meth:`dispatch`, :meth:`read`) and override what else they need."""
 
+    name: str  # the method's name in results and metrics ("ar", "sd", "ssd"): every subclass sets it
     speculates = False
     k_max = 0
     extra_slots = 0
     bucketed = False  # runs a round over the first rows only (batch buckets); else every slot, always
     pageable = False  # its caches may be paged (ssd_jax.engine.blocks)
+    draft = None  # the draft model where the method runs one (its context must hold the batch too)
+    M = 0  # SSD's fan-out budget: the branches a round's speculation tree may hold (0: no tree)
 
     @property
     def page_reach(self) -> int:
@@ -46,6 +52,8 @@ class Method:
         self._active_h: np.ndarray | None = None
         self._active = None
         self._plain_rs = None  # (the rows' rs, the same without min_tokens / logprobs fields)
+        self.ar_buckets: set[int] = set()  # the batch buckets that run AR rounds (SSD's per-bucket switch)
+        self.bucket_costs: dict[int, dict] = {}  # per bucket, the timed round costs that chose them
 
     def setup(self, engine) -> float:
         """Allocate the caches and state for ``engine.B`` slots; compile the round programs. Returns the
@@ -64,7 +72,37 @@ class Method:
         return Compiled.total_s - t0
 
     def setup_draft(self, engine) -> None:
-        pass
+        """Allocate the draft side's caches and state (before :meth:`compile_rounds`); none by default."""
+
+    def compile_rounds(self, windows) -> None:
+        """Compile every round program :meth:`dispatch` may run: at each context window in ``windows``,
+        each batch bucket and each sampling mode of the method."""
+        raise NotImplementedError
+
+    def dispatch(self, live, window, mode, bucket=None):
+        """Queue one round over the slots ``live`` (a host mask) with attention window ``window``, sampling
+        ``mode`` and batch ``bucket`` (None: every slot), without waiting for it; returns its handle, for
+        :meth:`read` or :meth:`drain`."""
+        raise NotImplementedError
+
+    def read(self, handle, live, fresh) -> RoundOut:
+        """The round ``handle`` on the host: per slot, its emitted tokens and what was drafted. ``live``: the
+        slots whose sequences the round ran and still run; ``fresh``: the slots admitted after it was
+        queued."""
+        raise NotImplementedError
+
+    def settle(self, going: np.ndarray) -> None:
+        """After a round's tokens reached the rows: ``going`` marks the slots that still hold the sequence
+        the round ran (statistics counted for the rows whose next round verifies them). Nothing by
+        default."""
+
+    def row_metrics(self, b: int) -> dict:
+        """Slot ``b``'s own metrics, beside the engine's in an offline row's output; none by default."""
+        return {}
+
+    def bucket_note(self) -> str:
+        """The server's start-up line's account of the method's batch buckets; empty by default."""
+        return ""
 
     def compile_admission(self, chunks) -> None:
         """Compile what admitting one row runs (a server admits each request on its own; ``chunks``: a
@@ -153,12 +191,15 @@ class Method:
         first tokens, for state kept on the host."""
 
     def queues_ahead(self) -> bool:
+        """Whether the engine may queue the next round before reading this one (two rounds in flight)."""
         return True
 
     def drain(self, handle) -> None:
+        """Wait for a round dispatched past the end (its outcome is not read)."""
         jax.block_until_ready(handle)
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
+        """The method's metrics of an offline run (``wall``, ``ttft`` in seconds; ``rounds`` dispatched)."""
         return {}
 
 

@@ -75,8 +75,6 @@ class SSD(Method):
         # K auto in a server: AR rounds (K = 0) at the buckets where SSD's round cannot pay
         plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) else None
         self.switch = plan if not self.profiled else None
-        self.ar_buckets: set[int] = set()
-        self.bucket_costs: dict[int, dict] = {}
         self.k_rounds = {0: 0, K: 0}
 
     # --- set-up
@@ -115,6 +113,7 @@ class SSD(Method):
         self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
         self._table_key, self._ctrls = self.est.key(), {}
         self.stats = SSDStats(B)
+        self._hit_pending: np.ndarray | None = None  # the last round's hits, counted by settle
         self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
         self.costs = backup_cost_estimate(
             self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
@@ -569,7 +568,7 @@ class SSD(Method):
     def settle(self, going: np.ndarray) -> None:
         """After the round's tokens reached the rows: its lookups count for the rows that go on (the
         speculation they produced is verified next)."""
-        hit = getattr(self, "_hit_pending", None)
+        hit = self._hit_pending
         if hit is not None:
             self.stats.hits += hit & going
             self.stats.lookups += going
