@@ -354,9 +354,8 @@ def test_ssd_switches_to_ar_rounds_by_bucket_and_catches_its_draft_up(pair, spec
 def test_ssd_switching_without_the_catch_up_loses_acceptance(pair, monkeypatch):
     """The control of the test above: with the flush disabled, output still equals AR's (exact either
     way) but acceptance falls."""
-    from ssd_jax.decoding import sd_lag
-
     from ssd_jax.compile import fresh_programs
+    from ssd_jax.decoding import sd_lag
 
     target, _ = pair
     monkeypatch.setattr(sd_lag, "draft_flush", lambda dparams, dcache, lag, lag_n, **kw: (dcache, lag_n * 0))
