@@ -46,50 +46,70 @@ def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _np(w)
 
 
-def _rope(x_TxNxh, inv):
-    T = x_TxNxh.shape[0]
+def _rope(x_BxNxTxh, inv):
+    T = x_BxNxTxh.shape[2]
     ang = np.arange(T)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    h = x_TxNxh.shape[-1] // 2
-    x1, x2 = x_TxNxh[..., :h], x_TxNxh[..., h:]
+    cos, sin = np.cos(ang), np.sin(ang)
+    h = x_BxNxTxh.shape[-1] // 2
+    x1, x2 = x_BxNxTxh[..., :h], x_BxNxTxh[..., h:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+_WEIGHTS: dict = {}  # id(params) -> (params, cfg, the canonical float64 tree): one conversion per model
+
+
+def _canonical(model: LoadedModel):
+    cfg = model.cfg.replace(forms=CANONICAL)  # the reference reads weights in the checkpoint layout
+    hit = _WEIGHTS.get(id(model.params))
+    if hit is None or hit[0] is not model.params or hit[1] != cfg:
+        flat = {n: _np(to_layout(model.cfg, cfg, n, np.asarray(w))) for n, w in flatten(model.params).items()}
+        hit = _WEIGHTS[id(model.params)] = (model.params, cfg, unflatten(cfg, flat))
+        while len(_WEIGHTS) > 8:  # (a cached model's params stay alive: a few models only)
+            del _WEIGHTS[next(iter(_WEIGHTS))]
+    return hit[1], hit[2]
 
 
 def np_logits(model: LoadedModel, ids) -> np.ndarray:
     """(T, V) float64 logits of one sequence: position t predicts token t + 1. Full context, causal."""
-    cfg = model.cfg.replace(forms=CANONICAL)  # the reference reads weights in the checkpoint layout
-    P = unflatten(
-        cfg, {n: to_layout(model.cfg, cfg, n, np.asarray(w)) for n, w in flatten(model.params).items()}
-    )
+    return np_logits_rows(model, [ids])[0]
+
+
+def np_logits_rows(model: LoadedModel, rows) -> np.ndarray:
+    """(N, T, V) float64 logits of N sequences of one length T, each on its own (as :func:`np_logits`)."""
+    cfg, P = _canonical(model)
     if cfg.rope_scaling is not None:
         raise NotImplementedError("the reference covers the tiny test models (no RoPE scaling)")
-    ids = np.asarray(ids, np.int64)
-    T = len(ids)
+    ids = np.asarray(rows, np.int64)
+    T = ids.shape[1]
     H, KVH, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    x = _np(P["embed"])[ids]
+    x = P["embed"][ids]
     causal = np.tril(np.ones((T, T), bool))
+    B = ids.shape[0]
+
+    def heads(h, w_NxhxD):  # (B, T, D) -> (B, N, T, h)
+        n, hh, d = w_NxhxD.shape
+        return (h @ w_NxhxD.reshape(n * hh, d).T).reshape(B, T, n, hh).transpose(0, 2, 1, 3)
+
     for L in P["layers"]:
         h = _rms(x, L["attn_norm"], cfg.rms_norm_eps)
-        q = np.einsum("td,nhd->tnh", h, _np(L["wq"]))
-        k = np.einsum("td,nhd->tnh", h, _np(L["wk"]))
-        v = np.einsum("td,nhd->tnh", h, _np(L["wv"]))
+        q, k, v = heads(h, L["wq"]), heads(h, L["wk"]), heads(h, L["wv"])
         if cfg.qkv_bias:
-            q, k, v = q + _np(L["bq"]), k + _np(L["bk"]), v + _np(L["bv"])
+            q, k, v = (y + b[None, :, None, :] for y, b in ((q, L["bq"]), (k, L["bk"]), (v, L["bv"])))
         q, k = _rope(q, inv), _rope(k, inv)
         k, v = np.repeat(k, H // KVH, axis=1), np.repeat(v, H // KVH, axis=1)
-        s = np.einsum("tnh,snh->nts", q, k) / math.sqrt(hd)
-        s = np.where(causal[None], s, -np.inf)
+        s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd)
+        s = np.where(causal[None, None], s, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
-        o = np.einsum("nts,snh->tnh", a, v)
-        x = x + np.einsum("tnh,dnh->td", o, _np(L["wo"]))
+        o = (a @ v).transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+        x = x + o @ L["wo"].reshape(L["wo"].shape[0], H * hd).T
         h = _rms(x, L["mlp_norm"], cfg.rms_norm_eps)
-        g, u = h @ _np(L["w_gate"]).T, h @ _np(L["w_up"]).T
-        x = x + (g / (1 + np.exp(-g)) * u) @ _np(L["w_down"]).T
+        g, u = h @ L["w_gate"].T, h @ L["w_up"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ L["w_down"].T
     x = _rms(x, P["final_norm"], cfg.rms_norm_eps)
     w = P["embed"] if cfg.tie_embeddings else P["lm_head"]
-    return x @ _np(w).T
+    return x @ w.T
 
 
 def filtered_probs(
@@ -189,11 +209,19 @@ def collect(target: LoadedModel, prompts, outputs, k: int, sampling) -> Emission
     each token comes from the row's ``accepted_per_round`` (absent for AR: all offsets 0).
     """
     n = len(outputs) // len(prompts)
+    seqs = [list(prompts[i // n]) + list(o["token_ids"])[:-1] for i, o in enumerate(outputs)]
+    by_len: dict[int, list[int]] = {}  # rows of one length run as one batch of the reference
+    for i, seq in enumerate(seqs):
+        by_len.setdefault(len(seq), []).append(i)
+    logits = [None] * len(outputs)
+    for idx in by_len.values():
+        for i, lg in zip(idx, np_logits_rows(target, [seqs[i] for i in idx])):
+            logits[i] = lg
     probs, toks, offs = [], [], []
     for i, o in enumerate(outputs):
         prompt = list(prompts[i // n])
         gen = list(o["token_ids"])
-        lg = np_logits(target, prompt + gen[:-1])[len(prompt) - 1 :]
+        lg = logits[i][len(prompt) - 1 :]
         probs.append(filtered_probs(lg, sampling.temperature, sampling.top_k, sampling.top_p))
         toks.append(gen)
         off = [-1]  # the first token comes from the prefill
