@@ -1,6 +1,6 @@
 """The server under the launcher (``python -m ssd_jax.launch --processes 2 serve --method ssd ...``):
 process 0 serves HTTP and schedules, process 1 runs SSD's draft and steps the same engine as process 0
-tells it (``ssd_jax.serve.lockstep``). On the tiny random pair with SmolLM2's tokenizer: greedy
+tells it (``ssd_jax.serve.lockstep``). On the tiny random pair with SmolLM2's tokenizer (cut to 2,048 tokens): greedy
 requests over HTTP (concurrent, streamed and not, more than the slots) equal offline AR, a shared
 prompt is found in both models' prefix caches, no process listens on a wildcard address, SIGTERM ends
 both processes with status 0; a killed process 1 fails the running requests with a server error and ends
@@ -18,7 +18,7 @@ import time
 import pytest
 from helpers import launch_env
 from serve_helpers import free_port
-from test_serve import PROMPTS, _tiny_dir
+from test_serve import PROMPTS, _tiny_dir, small_tokenizer
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -28,9 +28,7 @@ pytestmark = pytest.mark.realmodel  # SmolLM2's tokenizer comes from the registr
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from ssd_jax.loading import load_numpy
-
-    tok = load_numpy("smollm2-135m-instruct").tokenizer
+    tok = small_tokenizer()
     root = tmp_path_factory.mktemp("tiny-launch")
     return _tiny_dir(root / "target", tok, 2, 0), _tiny_dir(root / "draft", tok, 1, 1)
 
