@@ -40,17 +40,59 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in one run), and under the suite's compile-speed XLA flags it would measure nothing a user runs. Its
 # choice and cache are tested with timing doubles (test_forms.py); the benchmarks measure it for real.
 os.environ.setdefault("SSD_JAX_FORMS", "table")
-# One persistent compilation cache for the whole run: both xdist workers and every subprocess the
+# One persistent compilation cache for the test runs: both xdist workers and every subprocess the
 # tests start (CLI, launcher, server, GPU-script smoke run) compile many of the same tiny programs, and
 # an engine built again in the same process compiles its programs again (each has jits of its own):
-# every program is cached, however small or quick to compile.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
+# every program is cached, however small or quick to compile. The cache outlives the run (in the user
+# cache, a folder per jax version, CPU and test XLA flags): a later run, in a fresh clone too, loads every
+# program no change touched instead of compiling it, which is most of a run's work. The first run on a
+# machine fills it; SSD_JAX_TEST_FRESH_CACHE=1 gives a run an empty cache of its own (as CI's fresh machine
+# has). The oldest entries go when it passes TEST_CACHE_MAX_BYTES.
+TEST_CACHE_MAX_BYTES = 1 << 30
 
-    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"ssd_jax-test-jit-cache-{_run}"
-    )
+
+def _test_cache_dir() -> str:
+    import hashlib
+    import platform
+    import tempfile
+    from importlib.metadata import version
+    from pathlib import Path
+
+    if os.environ.get("SSD_JAX_TEST_FRESH_CACHE", "0") == "1":
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+        return os.path.join(tempfile.gettempdir(), f"ssd_jax-test-jit-cache-{run}")
+    try:
+        cpu = sorted(
+            {
+                ln
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith(("model name", "flags", "Features"))
+            }
+        )
+    except OSError:
+        cpu = []
+    ident = "\0".join([version("jax"), version("jaxlib"), platform.machine(), *cpu, os.environ["XLA_FLAGS"]])
+    root = Path(os.environ.get("SSD_JAX_CACHE") or Path.home() / ".cache" / "ssd_jax").expanduser()
+    return str(root / "jit-tests" / f"jax-{version('jax')}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}")
+
+
+def _trim_test_cache(folder: str, limit: int = TEST_CACHE_MAX_BYTES) -> None:
+    """Delete the oldest-written entries until the folder holds at most half of ``limit`` (once over it)."""
+    from pathlib import Path
+
+    files = [(f.stat().st_mtime, f.stat().st_size, f) for f in Path(folder).rglob("*") if f.is_file()]
+    total = sum(size for _, size, _ in files)
+    if total <= limit:
+        return
+    for _, size, f in sorted(files, key=lambda x: x[0]):
+        if total <= limit // 2:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_test_cache_dir())
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")  # -1: no minimum size
 
@@ -208,6 +250,8 @@ _COMPILES = {"counter": None, "seen": 0.0}
 
 
 def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ["JAX_COMPILATION_CACHE_DIR"]):
+        _trim_test_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
     if _DURATIONS:  # (after the XLA flags above are set)
         from ssd_jax.compile import XlaCompiles
 
