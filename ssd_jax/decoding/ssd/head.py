@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from ssd_jax.compile import Compiled, program_factory
 from ssd_jax.decoding.sd import accept_step
 from ssd_jax.decoding.sd_eagle import Pending
-from ssd_jax.decoding.ssd.rounds import Control
+from ssd_jax.decoding.ssd.rounds import Control, pack_meta
 from ssd_jax.decoding.ssd.tree import Opts, Tree, candidates, lookup
 from ssd_jax.drafters import eagle
 from ssd_jax.drafters.base import Proposal, align_vocab
@@ -167,7 +167,7 @@ def ssd_head_round(
         q = sp.q
     n_draft = jnp.full((B,), K, jnp.int32)
     new_sp = Proposal(tokens, n_draft, q, hit)
-    meta = jnp.stack([hit, jnp.zeros_like(hit), n_draft, live], axis=1).astype(jnp.int32)
+    meta = pack_meta(hit=hit, post_miss=jnp.zeros_like(hit), n_draft=n_draft, live=live)
     out = jnp.concatenate([emitted, n[:, None], meta, lpc], axis=1)
     tcache = park(tc.with_lengths(new_len), active_B)
     hcache = park(hc, active_B)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd.backup import row_schedule
+from ssd_jax.decoding.ssd.rounds import META_FIELDS
 from ssd_jax.decoding.trace import Timeline, lane_for
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.parallel import distributed as dist
@@ -147,10 +148,7 @@ def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
     return {
         "k": m.K,
         "draft": m.draft.name,
-        "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
-        "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
-        "tau_hit": st.tau["hit"][0] / st.tau["hit"][1] if st.tau["hit"][1] else 0.0,
-        "tau_miss": st.tau["miss"][0] / st.tau["miss"][1] if st.tau["miss"][1] else 0.0,
+        **st.summary(),
         "fanout": {
             "mode": "uniform" if m.uniform else "geometric",
             "budget": m.M,
@@ -162,7 +160,6 @@ def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
         "backup": m.spec.backup,
         "b_star": m.b_star,
         "backup_model": m.costs,
-        "fallback_calls": dict(st.fallback_calls),
         **stages,
         "calls_per_round": m.calls / max(1, rounds),
         "k_rounds": {str(k): n for k, n in m.k_rounds.items()},
@@ -183,8 +180,47 @@ def bucket_note(buckets, ar_buckets, costs: dict, k: int) -> str:
 
 
 @dataclasses.dataclass
+class SpecMeta:
+    """Per row, what the host knows of the speculation its next round verifies (the device's record of
+    it, :data:`~ssd_jax.decoding.ssd.rounds.META_FIELDS`, read back by name)."""
+
+    hit: np.ndarray  # (B,) bool: it came from the draft's cache (the lookup hit)
+    post_miss: np.ndarray  # (B,) bool: a fast backup (random or n-gram) drafted it after a miss
+    n_draft: np.ndarray  # (B,) int64: its proposals
+    live: np.ndarray  # (B,) bool: the row ran on the device
+
+    @classmethod
+    def empty(cls, batch: int) -> SpecMeta:
+        return cls(
+            np.zeros(batch, bool), np.zeros(batch, bool), np.zeros(batch, np.int64), np.zeros(batch, bool)
+        )
+
+    @classmethod
+    def read(cls, columns: np.ndarray) -> SpecMeta:
+        """From a round's (B, META) host copy."""
+        col = {name: np.asarray(columns[:, i]) for i, name in enumerate(META_FIELDS)}
+        return cls(col["hit"] > 0, col["post_miss"] > 0, col["n_draft"].astype(np.int64), col["live"] > 0)
+
+    def drafted(self, rows, k: int, post_miss: bool = False) -> None:
+        """``rows`` (a mask or indices) got a speculation drafted anew, not found in the cache: ``k``
+        proposals (by the fast backup when ``post_miss``)."""
+        self.hit[rows], self.post_miss[rows], self.n_draft[rows], self.live[rows] = False, post_miss, k, True
+
+    def updated(self, new: SpecMeta, keep: np.ndarray) -> SpecMeta:
+        """A copy with ``new``'s rows, except the rows ``keep`` marks (admitted after the round: theirs)."""
+        pairs = ((getattr(self, f.name), getattr(new, f.name)) for f in dataclasses.fields(self))
+        return SpecMeta(*(np.where(keep, mine, theirs) for mine, theirs in pairs))
+
+    @property
+    def missed_on_device(self) -> np.ndarray:
+        """Live rows whose lookup missed: the device ran the backup for them."""
+        return ~self.hit & self.live
+
+
+@dataclasses.dataclass
 class SSDStats:
-    """What SSD's host learns from its rounds: hits, tokens per round after hits and misses, fallbacks."""
+    """What SSD's host learns from its rounds, for model drafts and heads alike: hits and lookups per row,
+    tokens per round after hits and misses, rounds where every row hit, fallbacks run."""
 
     batch: int
     hits: np.ndarray = None
@@ -192,7 +228,54 @@ class SSDStats:
     tau: dict = dataclasses.field(default_factory=lambda: {"hit": [0, 0], "miss": [0, 0]})
     batch_all_hit: list = dataclasses.field(default_factory=lambda: [0, 0])
     fallback_calls: dict = dataclasses.field(default_factory=lambda: {"neural": 0, "ngram": 0, "random": 0})
+    pending: np.ndarray | None = None  # the last round's lookups' hits, counted when its rows settle
 
     def __post_init__(self):
         self.hits = np.zeros(self.batch, np.int64)
         self.lookups = np.zeros(self.batch, np.int64)
+
+    def count_round(
+        self, live: np.ndarray, n_acc: np.ndarray, cur: SpecMeta, nxt: SpecMeta, backup: str
+    ) -> None:
+        """A round over the ``live`` rows: it verified ``cur``'s speculations (``n_acc`` accepted) and
+        looked up ``nxt``'s, where a miss ran the ``backup`` (neural, ngram or random) on the device."""
+        emitted = n_acc + 1
+        for name, sel in (("hit", cur.hit & live), ("miss", ~cur.hit & live)):
+            self.tau[name][0] += int(emitted[sel].sum())
+            self.tau[name][1] += int(sel.sum())
+        if not live.any():
+            return
+        self.batch_all_hit[0] += int(nxt.hit[live].all())
+        self.batch_all_hit[1] += 1
+        self.pending = nxt.hit
+        if (nxt.missed_on_device & live).any():
+            self.fallback_calls[backup] += 1
+
+    def settle(self, going: np.ndarray, prom=None) -> None:
+        """The last round's lookups count for the rows that go on (``going``: their speculation is verified
+        next); ``prom``: the server's Prometheus metrics, if any."""
+        if self.pending is None:
+            return
+        hit = self.pending & going
+        self.hits += hit
+        self.lookups += going
+        if prom is not None:
+            prom.cache_lookup(int(going.sum()), int(hit.sum()))
+        self.pending = None
+
+    def row_metrics(self, b: int) -> dict:
+        return {"cache_hit_rate": float(self.hits[b] / self.lookups[b]) if self.lookups[b] else 0.0}
+
+    def summary(self) -> dict:
+        """The run's hit rates, tokens per round after a hit and after a miss, and fallbacks."""
+        tau = {k: v[0] / v[1] if v[1] else 0.0 for k, v in self.tau.items()}
+        lookups = self.lookups.sum()
+        return {
+            "cache_hit_rate": float(self.hits.sum() / lookups) if lookups else 0.0,
+            "batch_cache_hit_rate": self.batch_all_hit[0] / self.batch_all_hit[1]
+            if self.batch_all_hit[1]
+            else 0.0,
+            "tau_hit": tau["hit"],
+            "tau_miss": tau["miss"],
+            "fallback_calls": dict(self.fallback_calls),
+        }

@@ -37,7 +37,15 @@ from ssd_jax.decoding.slots import (
 from ssd_jax.models import llama
 from ssd_jax.sampling.filters import fold_in
 
-META = 4  # per-row meta columns: hit, post_miss, n_draft, live (as the device saw it)
+#: the per-row record of the next speculation that a round sends the host, as the device saw it (its columns
+#: in this order; the host reads them back by name: :class:`ssd_jax.decoding.ssd.host.SpecMeta`)
+META_FIELDS = ("hit", "post_miss", "n_draft", "live")
+META = len(META_FIELDS)
+
+
+def pack_meta(**fields) -> jax.Array:
+    """(B, META) int32: the named per-row fields of :data:`META_FIELDS`, each (B,), in their order."""
+    return jnp.stack([jnp.asarray(fields[name]) for name in META_FIELDS], axis=1).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +169,7 @@ def advance_round(
         host_n=host_n,
     )
     post_miss = ~sp.hit if backup in ("random", "host") else jnp.zeros_like(sp.hit)
-    meta = jnp.stack([sp.hit, post_miss, sp.n_draft, live], axis=1).astype(jnp.int32)
+    meta = pack_meta(hit=sp.hit, post_miss=post_miss, n_draft=sp.n_draft, live=live)
     return sp, post_miss, meta, dcache, bonus, step + 1
 
 

@@ -19,7 +19,7 @@ from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.eagle import SDEagle
-from ssd_jax.decoding.ssd.host import SSDStats
+from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
 from ssd_jax.engine.methods.ssd_rounds import SSDRound
 from ssd_jax.sampling.logprobs import host_logprobs
 
@@ -48,9 +48,8 @@ class SSDEagle(SDEagle):
         sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
         self.sp = jax.tree.map(self.put, sp)
         self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
-        self.meta_next = np.zeros((B, META), np.int64)
+        self.spec_meta = SpecMeta.empty(B)  # the speculation each row's next round verifies
         self.stats = SSDStats(B)
-        self._hit_pending = None
         self.prom = engine.metrics  # the server's Prometheus metrics, if any
 
     def _progs(self, mode, window=None, admission=False):
@@ -94,7 +93,7 @@ class SSDEagle(SDEagle):
             self.head, self.model.params, self.hcache, self.pend, self.rows, self.sp, self.put(slots),
             self._ctrl(live),
         )  # fmt: skip
-        self.meta_next[slots] = [0, 0, self.K, 1]
+        self.spec_meta.drafted(slots, self.K)
         return tok, lps
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
@@ -110,51 +109,31 @@ class SSDEagle(SDEagle):
         K = self.K
         out_h = np.asarray(rnd.out)
         n_acc = out_h[:, K + 1]
-        meta_h = out_h[:, K + 2 : K + 2 + META]
+        nxt = SpecMeta.read(out_h[:, K + 2 : K + 2 + META])
         lps = host_logprobs(out_h, K + 2 + META, K + 1)
-        meta_cur = self.meta_next.copy()
-        self._learn(rnd, live, n_acc, meta_cur, meta_h)
-        self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
+        cur = self.spec_meta
+        self._learn(rnd, live, n_acc, cur, nxt)
+        self.spec_meta = cur.updated(nxt, keep=fresh)
         if self.adapts:
             self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
-        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, cur.n_draft, cur.hit, logprobs=lps)
 
-    def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
-        st = self.stats
-        from_cache, hit_h = meta_cur[:, 0] > 0, meta_h[:, 0] > 0
-        for name, sel in (("hit", from_cache & lv), ("miss", ~from_cache & lv)):
-            st.tau[name][0] += int((n_acc[sel] + 1).sum())
-            st.tau[name][1] += int(sel.sum())
-        if not lv.any():
-            return
-        if self.adapts:
-            no_miss = np.zeros_like(lv)
+    def _learn(self, rnd, lv, n_acc, cur: SpecMeta, nxt: SpecMeta) -> None:
+        self.stats.count_round(lv, n_acc, cur, nxt, "neural")
+        if self.adapts and lv.any():  # (no fast backup: every row's fan-out is the first one's)
+            no_miss = np.zeros(int(lv.sum()), bool)
             self.est.observe(
-                n_acc[lv], meta_cur[lv, 2], hit_h[lv], rnd.sched[np.zeros(lv.sum(), int)], no_miss[lv]
+                n_acc[lv], cur.n_draft[lv], nxt.hit[lv], rnd.sched[np.zeros(lv.sum(), int)], no_miss
             )
-        st.batch_all_hit[0] += int(hit_h[lv].all())
-        st.batch_all_hit[1] += 1
-        if ((meta_h[:, 0] == 0) & (meta_h[:, 3] > 0) & lv).any():
-            st.fallback_calls["neural"] += 1
-        self._hit_pending = hit_h
 
     def settle(self, going: np.ndarray) -> None:
-        if self._hit_pending is not None:
-            self.stats.hits += self._hit_pending & going
-            self.stats.lookups += going
-            if self.prom is not None:
-                self.prom.cache_lookup(int(going.sum()), int((self._hit_pending & going).sum()))
-            self._hit_pending = None
+        self.stats.settle(going, self.prom)
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
-        st, est = self.stats, self.est
-        tau = {k: v[0] / v[1] if v[1] else 0.0 for k, v in st.tau.items()}
+        est = self.est
         return {
             **super().metrics(wall, ttft, rounds),
-            "cache_hit_rate": float(st.hits.sum() / st.lookups.sum()) if st.lookups.sum() else 0.0,
-            "batch_cache_hit_rate": st.batch_all_hit[0] / st.batch_all_hit[1] if st.batch_all_hit[1] else 0.0,
-            "tau_hit": tau["hit"],
-            "tau_miss": tau["miss"],
+            **self.stats.summary(),
             "fanout": {
                 "mode": "uniform" if self.uniform else "geometric",
                 "budget": self.M,
@@ -163,7 +142,6 @@ class SSDEagle(SDEagle):
             },  # fmt: skip
             "saguaro_c": float(self.spec.saguaro_c),
             "backup": "neural",
-            "fallback_calls": dict(st.fallback_calls),
             "overlap": False,
         }
 
@@ -172,5 +150,4 @@ class SSDEagle(SDEagle):
         return " head=on-target-device"
 
     def row_metrics(self, b: int) -> dict:
-        st = self.stats
-        return {"cache_hit_rate": float(st.hits[b] / st.lookups[b]) if st.lookups[b] else 0.0}
+        return self.stats.row_metrics(b)

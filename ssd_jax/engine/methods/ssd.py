@@ -17,7 +17,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
-from ssd_jax.decoding.ssd.host import SSDStats
+from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
 from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
@@ -108,12 +108,11 @@ class SSD(Method):
         self.sp_t = None if self.fused else ssd_host.spec_to_target(self.sp, pl)
         self._no_host = (self.dput(np.zeros((B, K), np.int32)), self.dput(np.zeros(B, np.int32)))
         self._open = None
-        self.meta_next = np.zeros((B, META), np.int64)
+        self.spec_meta = SpecMeta.empty(B)  # the speculation each row's next round verifies
         self.history = [np.zeros(0, np.int32)] * B
         self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
         self._table_key, self._ctrls = self.est.key(), {}
         self.stats = SSDStats(B)
-        self._hit_pending: np.ndarray | None = None  # the last round's hits, counted by settle
         self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
         self.costs = backup_cost_estimate(
             self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
@@ -142,7 +141,7 @@ class SSD(Method):
             self._forced_ar, self.lag_rounds = False, 0
         else:
             self._compile_ssd_rounds(windows, off)
-        self.calls, self.meta_next[:] = 0, 0
+        self.calls, self.spec_meta = 0, SpecMeta.empty(self.B)
         self.k_rounds = {0: 0, self.K: 0}
         self.stats = SSDStats(self.B)
         self.tl = Timeline(enabled=self.profiled)
@@ -373,7 +372,7 @@ class SSD(Method):
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
         if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
             self.lag_n = self._reset_lag(self.lag_n, self.put(live))
-        self.meta_next[slots] = [0, self.first_kind != "neural", self.K, 1]
+        self.spec_meta.drafted(slots, self.K, post_miss=self.first_kind != "neural")
         first_h = pl.read(tok_all)
         if "host" in self.kinds:
             for r, b in enumerate(slots.tolist()):
@@ -509,7 +508,7 @@ class SSD(Method):
         if rnd.kind == "ar":  # an AR round: one token per row; the rows' next speculation is drafted anew
             out_h = pl.read(rnd.out)
             self.k_rounds[0] += 1
-            self.meta_next[live & ~fresh] = [0, 0, K, 1]
+            self.spec_meta.drafted(live & ~fresh, K)
             if "host" in self.kinds:  # the n-gram backup's history gets the round's token
                 for b in np.flatnonzero(live):
                     self.history[b] = np.append(self.history[b], out_h[b, :1].astype(np.int32))
@@ -522,11 +521,11 @@ class SSD(Method):
         out_h = rnd.host if host_known else pl.read(rnd.out)
         n_acc = out_h[:, K + 1]
         fused = rnd.meta is None  # the next speculation's meta rides in the host array, before the log-probs
-        meta_h = out_h[:, K + 2 : K + 2 + META] if fused else pl.read(rnd.meta)
+        nxt = SpecMeta.read(out_h[:, K + 2 : K + 2 + META] if fused else pl.read(rnd.meta))
         lps = host_logprobs(out_h, K + 2 + META * fused, K + 1)
-        meta_cur = self.meta_next.copy()
-        self._learn(rnd, live, n_acc, meta_cur, meta_h)
-        self.meta_next = np.where(fresh[:, None], self.meta_next, meta_h.astype(np.int64))
+        cur = self.spec_meta
+        self._learn(rnd, live, n_acc, cur, nxt)
+        self.spec_meta = cur.updated(nxt, keep=fresh)
         if "host" in self.kinds and not host_known:
             self._extend_history(out_h, live)
         if self.adapts and self.est.key() != self._table_key:  # the estimates moved: the schedules may have
@@ -535,46 +534,30 @@ class SSD(Method):
             if not np.array_equal(sched, self.sched):  # new tables (uploaded with the next control vector)
                 self.sched, self.kb_tab, self.rb_tab = sched, kb_tab, rb_tab
                 self._ctrls.clear()
-        return RoundOut(out_h[:, : K + 1], n_acc + 1, meta_cur[:, 2], meta_cur[:, 0] > 0, logprobs=lps, k=K)
+        return RoundOut(out_h[:, : K + 1], n_acc + 1, cur.n_draft, cur.hit, logprobs=lps, k=K)
 
-    def _learn(self, rnd, lv, n_acc, meta_cur, meta_h) -> None:
-        """The round's statistics: the fan-out estimators, the backup decision's means, hits, fallbacks."""
-        st, means = self.stats, self.means
-        hit_h, miss_dev = meta_h[:, 0] > 0, (meta_h[:, 0] == 0) & (meta_h[:, 3] > 0)
-        from_cache, post_miss, n_draft_h = meta_cur[:, 0] > 0, meta_cur[:, 1] > 0, meta_cur[:, 2]
+    def _learn(self, rnd, lv, n_acc, cur: SpecMeta, nxt: SpecMeta) -> None:
+        """The round's statistics (:class:`SSDStats`), the backup decision's means, the fan-out estimators."""
         emitted_n = n_acc + 1
-        for name, sel in (("hit", from_cache & lv), ("miss", ~from_cache & lv)):
-            st.tau[name][0] += int(emitted_n[sel].sum())
-            st.tau[name][1] += int(sel.sum())
         for name, sel in (
-            ("e_hit", from_cache),
-            ("e_neural", ~from_cache & ~post_miss),
-            ("e_fast", post_miss),
+            ("e_hit", cur.hit),
+            ("e_neural", ~cur.hit & ~cur.post_miss),
+            ("e_fast", cur.post_miss),
         ):
             if (sel & lv).any():
-                means.add(name, float(emitted_n[sel & lv].mean()))
+                self.means.add(name, float(emitted_n[sel & lv].mean()))
+        self.stats.count_round(lv, n_acc, cur, nxt, {"host": "ngram"}.get(rnd.kind, rnd.kind))
         if not lv.any():
             return
-        fan_rows = rnd.sched[np.where(post_miss, 1 + n_draft_h, 0)]
         if self.adapts:
-            self.est.observe(n_acc[lv], n_draft_h[lv], hit_h[lv], fan_rows[lv], post_miss[lv])
-        st.batch_all_hit[0] += int(hit_h[lv].all())
-        st.batch_all_hit[1] += 1
-        means.add("p_hit", float(hit_h[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
-        self._hit_pending = hit_h
-        if (miss_dev & lv).any():  # a fallback ran on the device
-            st.fallback_calls[{"host": "ngram"}.get(rnd.kind, rnd.kind)] += 1
+            fan_rows = rnd.sched[np.where(cur.post_miss, 1 + cur.n_draft, 0)]
+            self.est.observe(n_acc[lv], cur.n_draft[lv], nxt.hit[lv], fan_rows[lv], cur.post_miss[lv])
+        self.means.add("p_hit", float(nxt.hit[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
 
     def settle(self, going: np.ndarray) -> None:
         """After the round's tokens reached the rows: its lookups count for the rows that go on (the
         speculation they produced is verified next)."""
-        hit = self._hit_pending
-        if hit is not None:
-            self.stats.hits += hit & going
-            self.stats.lookups += going
-            if self.prom is not None:
-                self.prom.cache_lookup(int(going.sum()), int((hit & going).sum()))
-            self._hit_pending = None
+        self.stats.settle(going, self.prom)
 
     def drain(self, rnd: SSDRound) -> None:
         if rnd.lookup is not None:
@@ -585,5 +568,4 @@ class SSD(Method):
         return {**ssd_host.run_metrics(self, wall, ttft, rounds), "devices": device_metrics(self.pl)}
 
     def row_metrics(self, b: int) -> dict:
-        st = self.stats
-        return {"cache_hit_rate": float(st.hits[b] / st.lookups[b]) if st.lookups[b] else 0.0}
+        return self.stats.row_metrics(b)
