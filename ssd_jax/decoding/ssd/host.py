@@ -136,7 +136,7 @@ def stage_metrics(tl, wall: float, ttft: float) -> dict:
 def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
     """An SSD run's metrics (:meth:`ssd_jax.engine.methods.ssd.SSD.metrics`): hits, tokens per round,
     the fan-out estimators, backups, stage times of a profiled run and K = 0 rounds."""
-    st, est = m.stats, m.est
+    st = m.stats
     m.tl.close()
     tl = m.tl
     if m.profiled and dist.multi_process():  # every process's lanes, on process 0
@@ -149,13 +149,7 @@ def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
         "k": m.K,
         "draft": m.draft.name,
         **st.summary(),
-        "fanout": {
-            "mode": "uniform" if m.uniform else "geometric",
-            "budget": m.M,
-            "schedule": est.schedule(False).tolist(),
-            "post_miss_schedule": est.schedule(True).tolist(),
-            **est.to_dict(),
-        },
+        "fanout": m.fanout.summary(),
         "saguaro_c": float(m.spec.saguaro_c),
         "backup": m.spec.backup,
         "b_star": m.b_star,

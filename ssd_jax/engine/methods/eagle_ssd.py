@@ -12,14 +12,14 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.head import ssd_head_programs
-from ssd_jax.decoding.ssd.rounds import META, Control
+from ssd_jax.decoding.ssd.rounds import META
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.eagle import SDEagle
 from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
+from ssd_jax.engine.methods.fanout_tables import FanoutTables
 from ssd_jax.engine.methods.ssd_rounds import SSDRound
 from ssd_jax.sampling.logprobs import host_logprobs
 
@@ -30,7 +30,8 @@ class SSDEagle(SDEagle):
 
     def __init__(self, model, modes, spec, head, meta, source: str):
         super().__init__(model, modes, spec, head, meta, source)
-        self.uniform, self.M, self.est = ssd_host.fanout_setup(spec, 1)
+        self.fanout = FanoutTables(spec, 1)
+        self.M = self.fanout.M
         self.tree_slots = self.M * self.K  # the tree region of the head's cache
         self.carry_q = any(not m.greedy for m in self.modes)
 
@@ -42,12 +43,10 @@ class SSDEagle(SDEagle):
             k=K, budget=M, vocab=cfg.vocab_size, rand_vocab=tok.vocab_size if tok is not None else cfg.vocab_size,
             needs_filter=False, greedy=not self.carry_q, c=float(self.spec.saguaro_c), tree_base=self.max_len,
         )  # fmt: skip
-        self.ctl = Control(k=K, budget=M, batch=B)
-        self.adapts = B == 1  # as SSD's: with more slots a seeded row would depend on its batch mates
+        self.fanout.bind(B, self.put)
         q = None if not self.carry_q else np.full((B, K, cfg.vocab_size), -np.inf, np.float32)
         sp = Proposal(np.zeros((B, K), np.int32), np.full(B, K, np.int32), q, np.zeros(B, bool))
         self.sp = jax.tree.map(self.put, sp)
-        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
         self.spec_meta = SpecMeta.empty(B)  # the speculation each row's next round verifies
         self.stats = SSDStats(B)
         self.prom = engine.metrics  # the server's Prometheus metrics, if any
@@ -59,11 +58,14 @@ class SSDEagle(SDEagle):
         opts = dataclasses.replace(self.opts, needs_filter=mode.needs_filter and not greedy, greedy=greedy)
         nf = mode.needs_filter and not mode.greedy  # the verify's
         return ssd_head_programs(
-            self.model.cfg, self.layers, opts, self.ctl, nf, mode.greedy, self.window(window or self.max_len)
+            self.model.cfg,
+            self.layers,
+            opts,
+            self.fanout.ctl,
+            nf,
+            mode.greedy,
+            self.window(window or self.max_len),
         )
-
-    def _ctrl(self, live):
-        return self.put(self.ctl.pack(self.kb_tab, self.rb_tab, self.est.schedule(False)[: self.K], live))
 
     def compile_rounds(self, windows) -> None:
         off = np.zeros(self.B, bool)
@@ -73,14 +75,14 @@ class SSDEagle(SDEagle):
 
     def _round_args(self, live):
         return (self.model.params, self.tcache, self.head, self.hcache, self.pend, self.rows, self.sp,
-                self.active(live), self._ctrl(live))  # fmt: skip
+                self.active(live), self.fanout.ctrl(live))  # fmt: skip
 
     def compile_admission(self, chunks) -> None:
         super().compile_admission(chunks)
         first = self._progs(self.modes[0], admission=True)["first"]
         first.precompile(
             self.head, self.model.params, self.hcache, self.pend, self.rows, self.sp,
-            self.put(np.zeros(1, np.int32)), self._ctrl(np.zeros(self.B, bool)),
+            self.put(np.zeros(1, np.int32)), self.fanout.ctrl(np.zeros(self.B, bool)),
         )  # fmt: skip
 
     def admit(self, chunks, new):
@@ -91,7 +93,7 @@ class SSDEagle(SDEagle):
         first = self._progs(self.modes[0], admission=True)["first"]
         self.sp, self.hcache = first(
             self.head, self.model.params, self.hcache, self.pend, self.rows, self.sp, self.put(slots),
-            self._ctrl(live),
+            self.fanout.ctrl(live),
         )  # fmt: skip
         self.spec_meta.drafted(slots, self.K)
         return tok, lps
@@ -103,7 +105,7 @@ class SSDEagle(SDEagle):
             "round"
         ](*self._round_args(live))
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
-        return SSDRound("neural", self.sched, out)
+        return SSDRound("neural", self.fanout.sched, out)
 
     def read(self, rnd: SSDRound, live, fresh) -> RoundOut:
         K = self.K
@@ -114,32 +116,23 @@ class SSDEagle(SDEagle):
         cur = self.spec_meta
         self._learn(rnd, live, n_acc, cur, nxt)
         self.spec_meta = cur.updated(nxt, keep=fresh)
-        if self.adapts:
-            self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
+        self.fanout.refresh()
         return RoundOut(out_h[:, : K + 1], n_acc + 1, cur.n_draft, cur.hit, logprobs=lps)
 
     def _learn(self, rnd, lv, n_acc, cur: SpecMeta, nxt: SpecMeta) -> None:
         self.stats.count_round(lv, n_acc, cur, nxt, "neural")
-        if self.adapts and lv.any():  # (no fast backup: every row's fan-out is the first one's)
+        if lv.any():  # (no fast backup: no row drafts after a miss)
             no_miss = np.zeros(int(lv.sum()), bool)
-            self.est.observe(
-                n_acc[lv], cur.n_draft[lv], nxt.hit[lv], rnd.sched[np.zeros(lv.sum(), int)], no_miss
-            )
+            self.fanout.observe(rnd.sched, n_acc[lv], cur.n_draft[lv], nxt.hit[lv], no_miss)
 
     def settle(self, going: np.ndarray) -> None:
         self.stats.settle(going, self.prom)
 
     def metrics(self, wall: float, ttft: float, rounds: int) -> dict:
-        est = self.est
         return {
             **super().metrics(wall, ttft, rounds),
             **self.stats.summary(),
-            "fanout": {
-                "mode": "uniform" if self.uniform else "geometric",
-                "budget": self.M,
-                "schedule": est.schedule(False).tolist(),
-                **est.to_dict(),
-            },  # fmt: skip
+            "fanout": self.fanout.summary(),
             "saguaro_c": float(self.spec.saguaro_c),
             "backup": "neural",
             "overlap": False,

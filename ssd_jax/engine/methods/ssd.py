@@ -20,7 +20,7 @@ from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
 from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
 from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
-from ssd_jax.decoding.ssd.rounds import META, Control, ssd_programs
+from ssd_jax.decoding.ssd.rounds import META, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.decoding.trace import Timeline
 from ssd_jax.compile import Compiled
@@ -28,6 +28,7 @@ from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method, chunk_args
+from ssd_jax.engine.methods.fanout_tables import FanoutTables
 from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
 from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
@@ -46,7 +47,8 @@ class SSD(Method):
         self.put, self.dput = placement.put_target, placement.put_draft
         self.K = K = int(spec.k)
         n_dd = 1 if placement.single else len(placement.draft_devices)
-        self.uniform, self.M, self.est = ssd_host.fanout_setup(spec, n_dd)
+        self.fanout = FanoutTables(spec, n_dd)
+        self.M = self.fanout.M
         if self.M % len(placement.draft_devices) and not placement.single:
             raise UserError(
                 f"the fan-out budget ({self.M} branches) must divide over the {len(placement.draft_devices)} draft devices"
@@ -91,10 +93,7 @@ class SSD(Method):
             tree_base=self.max_len if self.dpages is None else self.dpages.tree_base,
             mesh=None if pl.single else self.draft.mesh,
         )  # fmt: skip
-        self.ctl = Control(k=K, budget=M, batch=B)
-        # the fan-out schedule adapts online to the acceptance seen only with one slot: with more, the
-        # batch's outcomes would steer each row's tree, and a seeded row would depend on its batch mates
-        self.adapts = B == 1
+        self.fanout.bind(B, self.dput)
         dcache = (
             llama.init_cache(self.draft.cfg, B, self.max_len + M * K)
             if self.dpages is None
@@ -110,8 +109,6 @@ class SSD(Method):
         self._open = None
         self.spec_meta = SpecMeta.empty(B)  # the speculation each row's next round verifies
         self.history = [np.zeros(0, np.int32)] * B
-        self.sched, self.kb_tab, self.rb_tab = ssd_host.layout_table(self.est, K, M, self.uniform)
-        self._table_key, self._ctrls = self.est.key(), {}
         self.stats = SSDStats(B)
         self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
         self.costs = backup_cost_estimate(
@@ -216,7 +213,7 @@ class SSD(Method):
             )
             rows = self.drows = dataclasses.replace(self.drows, cur=cur, prev=prev, steps=steps)
         self.sp, self.pm, self.dcache, lag_n = prog(
-            self.draft.params, self.dcache, rows, self.sp, self.pm, lag, lag_n, self._ctrl(np.ones(self.B, bool)),
+            self.draft.params, self.dcache, rows, self.sp, self.pm, lag, lag_n, self.fanout.ctrl(np.ones(self.B, bool)),
         )  # fmt: skip
         if self.fused:
             self.lag_n, self.drows = lag_n, self.rows
@@ -245,7 +242,7 @@ class SSD(Method):
         else:  # a copy every process reads (the draft's is caught up before SSD's next round)
             out = self.pl.to_draft(out)[1]
         self.lag_rounds += 1
-        return SSDRound("ar", self.sched, out)
+        return SSDRound("ar", self.fanout.sched, out)
 
     def _progs(self, mode, window=None, bucket=None, admission=False):
         # a round whose rows are all greedy builds its tree without the draft's distributions q (the
@@ -257,23 +254,10 @@ class SSD(Method):
             self.model.cfg,
             self.draft.cfg,
             opts,
-            self.ctl,
+            self.fanout.ctl,
             self.window(window or self.max_len),
             self.bucket(bucket),
         )
-
-    _table_key = None
-
-    def _ctrl(self, live):
-        """The round's control vector on the draft's device: uploaded once per (tables, live rows)."""
-        key = live.tobytes()
-        ctrl = self._ctrls.get(key)
-        if ctrl is None:
-            if len(self._ctrls) > 64:
-                self._ctrls.clear()
-            fan = self.sched[0, : self.K]  # the schedule of a row after a hit (layout_table's first row)
-            ctrl = self._ctrls[key] = self.dput(self.ctl.pack(self.kb_tab, self.rb_tab, fan, live))
-        return ctrl
 
     # --- the paged cache
 
@@ -337,7 +321,7 @@ class SSD(Method):
         first = self._progs(self.modes[0], admission=True)[f"first_{self.first_kind}_{chunks[0].whole}"]
         first.precompile(
             self.draft.params, self.dcache, self.drows, self.sp, self.pm, dput(one), new_d,
-            self._ctrl(np.zeros(self.B, bool)),
+            self.fanout.ctrl(np.zeros(self.B, bool)),
         )  # fmt: skip
 
     def admit(self, chunks, new: Rows):
@@ -362,7 +346,14 @@ class SSD(Method):
         live = np.zeros(self.B, bool)
         live[slots] = True
         self.sp, self.pm, self.dcache, self.drows = first(
-            self.draft.params, self.dcache, self.drows, self.sp, self.pm, dput(slots), new_d, self._ctrl(live)
+            self.draft.params,
+            self.dcache,
+            self.drows,
+            self.sp,
+            self.pm,
+            dput(slots),
+            new_d,
+            self.fanout.ctrl(live),
         )
         self.tl.record(f"fallback_{self.first_kind}", self.dlane, self.sp.tokens, round=0)
         self.stats.fallback_calls[self.first_kind] += 1
@@ -411,8 +402,8 @@ class SSD(Method):
                 self._catch_up(mode, bucket)
         kind = self.choose_kind(live)
         self._next_kind = kind
-        ctrl = self._ctrl(live)
-        rnd = SSDRound(kind, self.sched, None)
+        ctrl = self.fanout.ctrl(live)
+        rnd = SSDRound(kind, self.fanout.sched, None)
         active = self.active(live)
         if self.fused and kind != "host":
             rnd.out, self.sp, self.pm, self.tcache, self.dcache, self.rows = self._progs(
@@ -528,12 +519,7 @@ class SSD(Method):
         self.spec_meta = cur.updated(nxt, keep=fresh)
         if "host" in self.kinds and not host_known:
             self._extend_history(out_h, live)
-        if self.adapts and self.est.key() != self._table_key:  # the estimates moved: the schedules may have
-            self._table_key = self.est.key()
-            sched, kb_tab, rb_tab = ssd_host.layout_table(self.est, K, self.M, self.uniform)
-            if not np.array_equal(sched, self.sched):  # new tables (uploaded with the next control vector)
-                self.sched, self.kb_tab, self.rb_tab = sched, kb_tab, rb_tab
-                self._ctrls.clear()
+        self.fanout.refresh()
         return RoundOut(out_h[:, : K + 1], n_acc + 1, cur.n_draft, cur.hit, logprobs=lps, k=K)
 
     def _learn(self, rnd, lv, n_acc, cur: SpecMeta, nxt: SpecMeta) -> None:
@@ -549,9 +535,7 @@ class SSD(Method):
         self.stats.count_round(lv, n_acc, cur, nxt, {"host": "ngram"}.get(rnd.kind, rnd.kind))
         if not lv.any():
             return
-        if self.adapts:
-            fan_rows = rnd.sched[np.where(cur.post_miss, 1 + cur.n_draft, 0)]
-            self.est.observe(n_acc[lv], cur.n_draft[lv], nxt.hit[lv], fan_rows[lv], cur.post_miss[lv])
+        self.fanout.observe(rnd.sched, n_acc[lv], cur.n_draft[lv], nxt.hit[lv], cur.post_miss[lv])
         self.means.add("p_hit", float(nxt.hit[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
 
     def settle(self, going: np.ndarray) -> None:
