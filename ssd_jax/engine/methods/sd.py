@@ -19,6 +19,7 @@ from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.drafters.model import draft_steps as draft_programs
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
+from ssd_jax.engine.methods.lag_book import LagBook
 from ssd_jax.engine.methods.base import Method, chunk_args
 from ssd_jax.parallel.placement import cache_for
 from ssd_jax.sampling.filters import fold_in
@@ -81,11 +82,8 @@ class SD(Method):
         self._progs: dict = {}
         self._full = {k: np.full(self.B, k, np.int32) for k in self.widths}
         self.history = [np.zeros(0, np.int32)] * self.B
-        if self.lags:  # what an idle draft has not seen, per row, and K = 0 rounds since the last flush
-            self.lag = self.put(np.zeros((self.B, sd_lag.LAG_MAX), np.int32))
-            self.lag_n = self.put(np.zeros(self.B, np.int32))
-            self.lag_rounds = 0
-            self._reset_lag = Compiled(sd_lag.reset_lag, donate_argnums=(0,), name="reset_lag")
+        if self.lags:  # what an idle draft has not seen (its first K = 0 round records prev too)
+            self.lagbook = LagBook(self.B, self.put, first_extra=1)
 
     def _program(self, w: int, mode, window, bucket=None):
         key = (w, mode, window, bucket)
@@ -141,7 +139,7 @@ class SD(Method):
             if self.lags and any(k > 0 for k in ks):  # the draft is caught up before a K > 0 round
                 self._flush_program(b).precompile(*self._flush_args())
         if self.lags:
-            self._reset_lag.precompile(self.lag_n, self.put(off))
+            self.lagbook.precompile(self.B)
 
     def _lag_program(self, mode, window, bucket):
         nf = mode.needs_filter and not mode.greedy
@@ -150,30 +148,38 @@ class SD(Method):
         )
 
     def _lag_args(self, live, mode):
-        return (self.model.params, self.tcache, self.round_rows(mode), self.catch, self.active(live), self.lag,
-                self.lag_n)  # fmt: skip
+        lb = self.lagbook
+        return (
+            self.model.params,
+            self.tcache,
+            self.round_rows(mode),
+            self.catch,
+            self.active(live),
+            lb.lag,
+            lb.n,
+        )
 
     def _flush_program(self, bucket):
         return sd_lag.draft_flush_program(self.draft.cfg, sd_lag.LAG_MAX, None, self.bucket(bucket))
 
     def _flush_args(self):
-        return self.draft.params, self.dcache, self.lag, self.lag_n
+        return self.draft.params, self.dcache, self.lagbook.lag, self.lagbook.n
 
     def _flush(self, bucket) -> None:
         """The idle draft's cache level with the target's (queued on the device; the host does not wait)."""
         prog = self._flush_program(bucket)
-        self.dcache, self.lag_n = prog(*self._flush_args())
-        self.lag_rounds = 0
+        self.dcache, n = prog(*self._flush_args())
+        self.lagbook.caught_up(n)
 
     def _lag_round(self, live, window, mode, bucket) -> SDRound:
         """A K = 0 round: an AR step, the draft idle (its missed tokens recorded)."""
-        if self.lag_rounds + 2 > sd_lag.LAG_MAX:  # the buffer would overflow: catch the draft up first
+        if self.lagbook.full():  # catch the draft up first
             self._flush(bucket)
-        out, self.tcache, (cur, prev, steps), self.catch, self.lag, self.lag_n = self._lag_program(
-            mode, window, bucket
-        )(*self._lag_args(live, mode))
+        out, self.tcache, (cur, prev, steps), self.catch, lag, n = self._lag_program(mode, window, bucket)(
+            *self._lag_args(live, mode)
+        )
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
-        self.lag_rounds += 1
+        self.lagbook.recorded(lag, n)
         return SDRound(out, 0, None, live, 0)
 
     def compile_admission(self, chunks) -> None:
@@ -203,7 +209,7 @@ class SD(Method):
             if self.lags:
                 admitted = np.zeros(self.B, bool)
                 admitted[chunks[0].slots] = True
-                self.lag_n = self._reset_lag(self.lag_n, self.put(admitted))
+                self.lagbook.admitted(admitted)
             jax.block_until_ready(self.dcache)
         return first, self.first_logprobs()
 
@@ -260,7 +266,7 @@ class SD(Method):
         if self.lags:
             if k == 0:
                 return self._lag_round(live, window, mode, bucket)
-            if self.lag_rounds:
+            if self.lagbook.rounds:
                 self._flush(bucket)
         if self.kind == "host":
             toks, n_h, w = self.ngram(live, k)

@@ -23,12 +23,12 @@ from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
 from ssd_jax.decoding.trace import Timeline
-from ssd_jax.compile import Compiled
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method, chunk_args
 from ssd_jax.engine.methods.fanout_tables import FanoutTables
+from ssd_jax.engine.methods.lag_book import LagBook
 from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
 from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
@@ -116,11 +116,8 @@ class SSD(Method):
             context=0.75 * self.max_len, device=pl.draft_devices[0],
         )  # fmt: skip
         if self.switch is not None:  # the tokens an idle draft misses in AR rounds, per row
-            self.lag = self.put(np.zeros((B, sd_lag.LAG_MAX), np.int32))
-            self.lag_n = self.put(np.zeros(B, np.int32))
-            self.lag_rounds = 0
+            self.lagbook = LagBook(B, self.put, first_extra=0)
             self._dummy_catch = self.put(np.bool_(False))
-            self._reset_lag = Compiled(sd_lag.reset_lag, donate_argnums=(0,), name="reset_lag")
         self.tl = Timeline(enabled=self.profiled)
         self.tlane, self.dlane = ssd_host.lane(pl.target_devices), ssd_host.lane(pl.draft_devices)
         self.hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
@@ -135,7 +132,8 @@ class SSD(Method):
             self.ar_buckets, self._forced_ar = set(self.buckets), True  # nothing pays): only they compile
             for mode, w, b in ((m, w, b) for m in self.modes for w in windows for b in self.buckets):
                 self.read(self.dispatch(off, w, mode, b), off, off)
-            self._forced_ar, self.lag_rounds = False, 0
+            self._forced_ar = False
+            self.lagbook.caught_up()
         else:
             self._compile_ssd_rounds(windows, off)
         self.calls, self.spec_meta = 0, SpecMeta.empty(self.B)
@@ -160,7 +158,7 @@ class SSD(Method):
                             self._catch_up(mode, b)
         self._forced = None
         if self.switch is not None:
-            self._reset_lag.precompile(self.lag_n, self.put(off))
+            self.lagbook.precompile(self.B)
             self._choose_buckets(windows)
 
     def _choose_buckets(self, windows, repeats: int = 5) -> None:
@@ -206,7 +204,7 @@ class SSD(Method):
         """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag
         (on two meshes what the target ran without the draft, its tokens and rows' state, crosses first)."""
         prog = self._progs(mode, bucket=bucket, admission=True)["catch_up"]
-        rows, lag, lag_n = self.rows, self.lag, self.lag_n
+        rows, lag, lag_n = self.rows, self.lagbook.lag, self.lagbook.n
         if not self.fused:
             (lag, lag_n, cur, prev, steps), _ = self.pl.to_draft(
                 (lag, lag_n, rows.cur, rows.prev, rows.steps)
@@ -216,32 +214,33 @@ class SSD(Method):
             self.draft.params, self.dcache, rows, self.sp, self.pm, lag, lag_n, self.fanout.ctrl(np.ones(self.B, bool)),
         )  # fmt: skip
         if self.fused:
-            self.lag_n, self.drows = lag_n, self.rows
-        else:
-            self.lag_n = self._reset_lag(self.lag_n, self.put(np.ones(self.B, bool)))
+            self.lagbook.caught_up(lag_n)
+            self.drows = self.rows
+        else:  # (the target's copy of the counts: every row level again)
+            self.lagbook.admitted(np.ones(self.B, bool))
+            self.lagbook.caught_up()
             self.sp_t = ssd_host.spec_to_target(self.sp, self.pl)
-        self.lag_rounds = 0
 
     def _ar_round(self, live, window, mode, bucket) -> SSDRound:
-        if self.lag_rounds + 1 > sd_lag.LAG_MAX:  # the buffer would overflow: catch the draft up first
+        if self.lagbook.full():  # catch the draft up first
             if self.idle:  # (no draft to catch up: the counts run past the buffer, which records no more)
-                self.lag_rounds = 0
+                self.lagbook.caught_up()
             else:
                 self._catch_up(mode, bucket)
         prog = sd_lag.sd_lag_round_program(
             self.model.cfg, mode.needs_filter and not mode.greedy, mode.greedy, self.window(window),
             self.bucket(bucket), with_prev=False,
         )  # fmt: skip
-        out, self.tcache, (cur, prev, steps), _, self.lag, self.lag_n = prog(
+        out, self.tcache, (cur, prev, steps), _, lag, n = prog(
             self.model.params, self.tcache, self.round_rows(mode), self._dummy_catch, self.active(live),
-            self.lag, self.lag_n,
+            self.lagbook.lag, self.lagbook.n,
         )  # fmt: skip
+        self.lagbook.recorded(lag, n)
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         if self.fused:
             self.drows = self.rows
         else:  # a copy every process reads (the draft's is caught up before SSD's next round)
             out = self.pl.to_draft(out)[1]
-        self.lag_rounds += 1
         return SSDRound("ar", self.fanout.sched, out)
 
     def _progs(self, mode, window=None, bucket=None, admission=False):
@@ -362,7 +361,7 @@ class SSD(Method):
         else:
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
         if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
-            self.lag_n = self._reset_lag(self.lag_n, self.put(live))
+            self.lagbook.admitted(live)
         self.spec_meta.drafted(slots, self.K, post_miss=self.first_kind != "neural")
         first_h = pl.read(tok_all)
         if "host" in self.kinds:
@@ -398,7 +397,7 @@ class SSD(Method):
         if self.switch is not None:
             if self._forced_ar or (self._forced is None and bucket in self.ar_buckets):
                 return self._ar_round(live, window, mode, bucket)
-            if self.lag_rounds:
+            if self.lagbook.rounds:
                 self._catch_up(mode, bucket)
         kind = self.choose_kind(live)
         self._next_kind = kind
