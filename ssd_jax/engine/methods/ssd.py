@@ -14,9 +14,7 @@ import numpy as np
 
 from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.slots import Rows, draft_prefill_program
-from ssd_jax.decoding.ssd import fanout as fo
 from ssd_jax.decoding.ssd import host as ssd_host
-from ssd_jax.decoding.ssd.backup import RunningMeans, backup_cost_estimate
 from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
 from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
@@ -27,6 +25,7 @@ from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method, chunk_args
+from ssd_jax.engine.methods.backup_choice import BackupChoice
 from ssd_jax.engine.methods.fanout_tables import FanoutTables
 from ssd_jax.engine.methods.lag_book import LagBook
 from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
@@ -62,18 +61,9 @@ class SSD(Method):
         # batch buckets: a round (fused on one device, or split over two meshes or processes) runs the
         # smallest bucket holding the running rows; the profiled stages run every slot
         self.bucketed = not self.profiled
-        # auto on one device is the neural backup: the n-gram lookup needs the round's tokens on the host,
-        # which splits the fused round into three calls over every slot and a host read (SmolLM2, one live
-        # row in an 8-slot engine: 62-67 ms a token against 24-25 with the neural backup); the critical
-        # batch size b* decides between them where the draft has hardware of its own
-        auto = ["neural"] if placement.single else ["neural", "host"]
-        self.kinds = {"neural": ["neural"], "random": ["random"], "ngram": ["host"], "auto": auto}[
-            spec.backup
-        ]
-        self.first_kind = "random" if spec.backup == "random" else "neural"
+        self.backup = BackupChoice(spec.backup, placement.single, K)
         self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
         self.calls = 0
-        self.b_star = None
         # K auto in a server: AR rounds (K = 0) at the buckets where SSD's round cannot pay
         plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) else None
         self.switch = plan if not self.profiled else None
@@ -110,8 +100,7 @@ class SSD(Method):
         self.spec_meta = SpecMeta.empty(B)  # the speculation each row's next round verifies
         self.history = [np.zeros(0, np.int32)] * B
         self.stats = SSDStats(B)
-        self.means = RunningMeans(p_hit=0.6, e_hit=1 + 0.7 * K, e_neural=1 + 0.7 * K, e_fast=1.2)
-        self.costs = backup_cost_estimate(
+        self.backup.price(
             self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
             context=0.75 * self.max_len, device=pl.draft_devices[0],
         )  # fmt: skip
@@ -147,7 +136,7 @@ class SSD(Method):
     def _compile_ssd_rounds(self, windows, off) -> None:
         for mode in self.modes:
             for w in windows:
-                for kind in self.kinds:
+                for kind in self.backup.kinds:
                     self._forced = kind
                     for b in self.buckets:
                         self.read(self.dispatch(off, w, mode, b), off, off)
@@ -296,7 +285,7 @@ class SSD(Method):
         else:
             self.drows = dataclasses.replace(self.drows, cur=d[2][0], prev=d[2][1], steps=d[2][2])
             self.sp_t = ssd_host.spec_to_target(self.sp, self.pl)
-        if "host" in self.kinds:  # its history ends with the token the re-admission sampled: cur instead
+        if self.backup.uses_host:  # its history ends with the token the re-admission sampled: cur instead
             self.history[b] = np.concatenate([self.history[b][:-1], np.array([cur], np.int32)])
 
     # --- admission
@@ -317,7 +306,7 @@ class SSD(Method):
             prog = draft_prefill_program(self.draft.cfg, c.whole, None)
             prog.precompile(self.draft.params, self.dcache, *chunk_args(c, dput))
         new_d = dataclasses.replace(jax.tree.map(dput, Rows.empty(1, self.n_ban)), cur=dput(one))
-        first = self._progs(self.modes[0], admission=True)[f"first_{self.first_kind}_{chunks[0].whole}"]
+        first = self._progs(self.modes[0], admission=True)[f"first_{self.backup.first}_{chunks[0].whole}"]
         first.precompile(
             self.draft.params, self.dcache, self.drows, self.sp, self.pm, dput(one), new_d,
             self.fanout.ctrl(np.zeros(self.B, bool)),
@@ -340,7 +329,7 @@ class SSD(Method):
         new_d = dataclasses.replace(jax.tree.map(dput, new), cur=tok_d)
         slots = chunks[0].slots
         first = self._progs(next(iter(self.modes)), admission=True)[
-            f"first_{self.first_kind}_{chunks[0].whole}"
+            f"first_{self.backup.first}_{chunks[0].whole}"
         ]
         live = np.zeros(self.B, bool)
         live[slots] = True
@@ -354,17 +343,17 @@ class SSD(Method):
             new_d,
             self.fanout.ctrl(live),
         )
-        self.tl.record(f"fallback_{self.first_kind}", self.dlane, self.sp.tokens, round=0)
-        self.stats.fallback_calls[self.first_kind] += 1
+        self.tl.record(f"fallback_{self.backup.first}", self.dlane, self.sp.tokens, round=0)
+        self.stats.fallback_calls[self.backup.first] += 1
         if self.fused:
             self.rows = self.drows
         else:
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
         if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
             self.lagbook.admitted(live)
-        self.spec_meta.drafted(slots, self.K, post_miss=self.first_kind != "neural")
+        self.spec_meta.drafted(slots, self.K, post_miss=self.backup.first != "neural")
         first_h = pl.read(tok_all)
-        if "host" in self.kinds:
+        if self.backup.uses_host:
             for r, b in enumerate(slots.tolist()):
                 toks = [t for c in chunks for t in c.tokens[r, : c.n_valid[r]].tolist()]
                 self.history[b] = np.asarray(toks + [int(first_h[r])], np.int32)
@@ -376,21 +365,8 @@ class SSD(Method):
     _forced = None  # the kind a warm-up round runs
     _open: SSDRound | None = None  # the split round whose lookup is still to run (see :class:`Lookup`)
 
-    def choose_kind(self, live) -> str:
-        if self._forced is not None:
-            return self._forced
-        if len(self.kinds) == 1:  # one backup (auto on one device: the neural one)
-            return self.kinds[0]
-        m, c = self.means, self.costs
-        self.b_star = fo.critical_batch_size(
-            m["p_hit"], m["e_hit"], m["e_neural"], m["e_fast"], c["t_primary"], c["t_neural"], c["t_fast"]
-        )
-        return "neural" if int(live.sum()) < self.b_star else "host"
-
     def queues_ahead(self) -> bool:
-        return self._next_kind != "host"
-
-    _next_kind = "neural"
+        return self.backup.next != "host"
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
         self._finish_open()
@@ -399,8 +375,7 @@ class SSD(Method):
                 return self._ar_round(live, window, mode, bucket)
             if self.lagbook.rounds:
                 self._catch_up(mode, bucket)
-        kind = self.choose_kind(live)
-        self._next_kind = kind
+        kind = self.backup.choose(live, self._forced)
         ctrl = self.fanout.ctrl(live)
         rnd = SSDRound(kind, self.fanout.sched, None)
         active = self.active(live)
@@ -499,7 +474,7 @@ class SSD(Method):
             out_h = pl.read(rnd.out)
             self.k_rounds[0] += 1
             self.spec_meta.drafted(live & ~fresh, K)
-            if "host" in self.kinds:  # the n-gram backup's history gets the round's token
+            if self.backup.uses_host:  # the n-gram backup's history gets the round's token
                 for b in np.flatnonzero(live):
                     self.history[b] = np.append(self.history[b], out_h[b, :1].astype(np.int32))
             n = np.zeros(self.B, np.int64)
@@ -516,26 +491,18 @@ class SSD(Method):
         cur = self.spec_meta
         self._learn(rnd, live, n_acc, cur, nxt)
         self.spec_meta = cur.updated(nxt, keep=fresh)
-        if "host" in self.kinds and not host_known:
+        if self.backup.uses_host and not host_known:
             self._extend_history(out_h, live)
         self.fanout.refresh()
         return RoundOut(out_h[:, : K + 1], n_acc + 1, cur.n_draft, cur.hit, logprobs=lps, k=K)
 
     def _learn(self, rnd, lv, n_acc, cur: SpecMeta, nxt: SpecMeta) -> None:
         """The round's statistics (:class:`SSDStats`), the backup decision's means, the fan-out estimators."""
-        emitted_n = n_acc + 1
-        for name, sel in (
-            ("e_hit", cur.hit),
-            ("e_neural", ~cur.hit & ~cur.post_miss),
-            ("e_fast", cur.post_miss),
-        ):
-            if (sel & lv).any():
-                self.means.add(name, float(emitted_n[sel & lv].mean()))
+        self.backup.learn(lv, n_acc, cur, nxt, self.B)
         self.stats.count_round(lv, n_acc, cur, nxt, {"host": "ngram"}.get(rnd.kind, rnd.kind))
         if not lv.any():
             return
         self.fanout.observe(rnd.sched, n_acc[lv], cur.n_draft[lv], nxt.hit[lv], cur.post_miss[lv])
-        self.means.add("p_hit", float(nxt.hit[lv].mean()), n=float(lv.sum()) / max(self.B, 1))
 
     def settle(self, going: np.ndarray) -> None:
         """After the round's tokens reached the rows: its lookups count for the rows that go on (the
