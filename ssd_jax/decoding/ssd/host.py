@@ -137,14 +137,7 @@ def run_metrics(m, wall: float, ttft: float, rounds: int) -> dict:
     """An SSD run's metrics (:meth:`ssd_jax.engine.methods.ssd.SSD.metrics`): hits, tokens per round,
     the fan-out estimators, backups, stage times of a profiled run and K = 0 rounds."""
     st = m.stats
-    m.tl.close()
-    tl = m.tl
-    if m.profiled and dist.multi_process():  # every process's lanes, on process 0
-        tl = merged_timeline(tl, m.origin)
-    if m.trace_path and dist.is_main() and tl is not None:
-        tl.write_chrome(m.trace_path)
-    names = ("draft_s", "draft_exposed_s", "verify_s", "sample_s", "overhead_s", "overlap_fraction")
-    stages = stage_metrics(tl, wall, ttft) if m.profiled and tl is not None else dict.fromkeys(names)
+    stages = m.stages.metrics(wall, ttft)
     return {
         "k": m.K,
         "draft": m.draft.name,

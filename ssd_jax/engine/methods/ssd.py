@@ -20,7 +20,6 @@ from ssd_jax.decoding.ssd.paging import draft_pages, put_row, take_row
 from ssd_jax.planning.policy import BucketSwitch
 from ssd_jax.decoding.ssd.rounds import META, ssd_programs
 from ssd_jax.decoding.ssd.tree import Opts
-from ssd_jax.decoding.trace import Timeline
 from ssd_jax.drafters.base import Proposal
 from ssd_jax.drafters.ngram import ngram_proposals
 from ssd_jax.engine.core import RoundOut
@@ -28,6 +27,7 @@ from ssd_jax.engine.methods.base import Method, chunk_args
 from ssd_jax.engine.methods.backup_choice import BackupChoice
 from ssd_jax.engine.methods.fanout_tables import FanoutTables
 from ssd_jax.engine.methods.lag_book import LagBook
+from ssd_jax.engine.methods.stage_log import StageLog
 from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
 from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
@@ -53,8 +53,8 @@ class SSD(Method):
                 f"the fan-out budget ({self.M} branches) must divide over the {len(placement.draft_devices)} draft devices"
             )
         self.k_max, self.extra_slots = K, K + 1
-        self.trace_path = trace_path
         self.profiled = bool(trace_path) or spec.profile_stages
+        self.stages = StageLog(placement, self.profiled, trace_path)
         self.fused = placement.single and not self.profiled
         # paged caches on one device per model (ssd_jax.decoding.ssd.paging)
         self.pageable = len(placement.target_devices) == 1 and len(placement.draft_devices) == 1
@@ -107,9 +107,6 @@ class SSD(Method):
         if self.switch is not None:  # the tokens an idle draft misses in AR rounds, per row
             self.lagbook = LagBook(B, self.put, first_extra=0)
             self._dummy_catch = self.put(np.bool_(False))
-        self.tl = Timeline(enabled=self.profiled)
-        self.tlane, self.dlane = ssd_host.lane(pl.target_devices), ssd_host.lane(pl.draft_devices)
-        self.hlane = f"host p{jax.process_index()}" if dist.multi_process() else "host"
         self.prom = engine.metrics  # the server's Prometheus metrics, if any
 
     def compile_rounds(self, windows) -> None:
@@ -128,10 +125,7 @@ class SSD(Method):
         self.calls, self.spec_meta = 0, SpecMeta.empty(self.B)
         self.k_rounds = {0: 0, self.K: 0}
         self.stats = SSDStats(self.B)
-        self.tl = Timeline(enabled=self.profiled)
-        if self.profiled and dist.multi_process():
-            dist.sync_clock("ssd_trace_origin")  # a common time origin for every process's events
-        self.origin = time.perf_counter()
+        self.stages.restart()
 
     def _compile_ssd_rounds(self, windows, off) -> None:
         for mode in self.modes:
@@ -343,7 +337,7 @@ class SSD(Method):
             new_d,
             self.fanout.ctrl(live),
         )
-        self.tl.record(f"fallback_{self.backup.first}", self.dlane, self.sp.tokens, round=0)
+        self.stages.record(f"fallback_{self.backup.first}", "draft", self.sp.tokens, round=0)
         self.stats.fallback_calls[self.backup.first] += 1
         if self.fused:
             self.rows = self.drows
@@ -399,7 +393,7 @@ class SSD(Method):
         return self._dispatch_split(rnd, self._progs(mode, window, bucket), ctrl, live, active)
 
     def _dispatch_split(self, rnd, progs, ctrl, live, active) -> SSDRound:
-        pl, tl, step = self.pl, self.tl, self.calls + 1
+        pl, tl, step = self.pl, self.stages, self.calls + 1
         active_d = active if pl.single else self.dput(live)
         if self.fused:  # an n-gram round of a one-device run: the speculation is already in place
             self.sp_t = ssd_host.spec_only(self.sp)
@@ -407,19 +401,19 @@ class SSD(Method):
             logits, self.tcache = progs["score"](
                 self.model.params, self.tcache, self.rows.cur, self.sp_t.tokens
             )
-            tl.record("verify", self.tlane, logits, round=step)
+            tl.record("verify", "target", logits, round=step)
         else:
             out, outcome, self.tcache, self.rows = progs["verify"](
                 self.model.params, self.tcache, self.rows, self.sp_t, active
             )
-            tl.record("verify", self.tlane, out, round=step)
+            tl.record("verify", "target", out, round=step)
         tree, self.dcache = progs["build"](self.draft.params, self.dcache, self.drows, self.sp, self.pm, ctrl)
-        tl.record("build", self.dlane, tree.tokens, round=step)
+        tl.record("build", "draft", tree.tokens, round=step)
         if self.profiled:
             out, outcome, self.tcache, self.rows = progs["sample"](
                 logits, self.tcache, self.rows, self.sp_t, active
             )
-            tl.record("sample", self.tlane, outcome, round=step)
+            tl.record("sample", "target", outcome, round=step)
         rnd.out = out
         rnd.lookup = Lookup(progs, ctrl, live, active_d, tree, outcome, step)
         self._open = rnd
@@ -433,7 +427,7 @@ class SSD(Method):
     def _finish(self, rnd: SSDRound) -> None:
         """A split round's second half (:class:`Lookup`): the outcome to the draft, the lookup and backup
         there, the next speculation and its meta back to the target."""
-        pl, tl, lk = self.pl, self.tl, rnd.lookup
+        pl, tl, lk = self.pl, self.stages, rnd.lookup
         rnd.lookup, self._open = None, None
         outcome, progs, step = lk.outcome, lk.progs, lk.step
         if not pl.single:
@@ -451,13 +445,13 @@ class SSD(Method):
                 rows=np.flatnonzero(lk.live),
             )
             host_tok, host_n = self.dput(ng), self.dput(ng_n.astype(np.int32))
-            tl.mark("ngram", self.hlane, round=step, start=a, end=time.perf_counter())
+            tl.mark("ngram", round=step, start=a, end=time.perf_counter())
         # (a greedy round's speculations keep their q: advance_slot puts the new ones into sp)
         self.sp, self.pm, meta, self.dcache, self.drows = progs[f"advance_{rnd.kind}"](
             self.draft.params, lk.tree, self.dcache, outcome, self.drows, lk.ctrl, host_tok, host_n, lk.active_d,
             self.sp, self.pm,
         )  # fmt: skip
-        tl.record("advance", self.dlane, self.sp.tokens, round=step)
+        tl.record("advance", "draft", self.sp.tokens, round=step)
         if pl.bridge is None:
             self.sp_t, rnd.meta = ssd_host.spec_to_target(self.sp, pl), meta
         else:
