@@ -20,7 +20,10 @@ def _xla_knows(flag: str) -> bool:
 
 
 # Compiled for speed of compilation: XLA:CPU's LLVM code generation at its lowest level, and its older
-# loop emitters for fusions instead of the MLIR fusion pipeline (which builds an MLIR context per fusion).
+# loop emitters for fusions instead of the MLIR fusion pipeline (which builds an MLIR context per fusion),
+# and each program's LLVM module compiled whole on the compiling thread, not split over a thread pool (both
+# cores are busy with a worker each: the split only adds work; compile time -12% on test_engine's paged
+# tests, docs/testing.md).
 # XLA's compile time of the suite's programs falls by about two thirds and the tiny test models hardly
 # run slower. The computations are the same (fusion boundaries may differ); results agree with the
 # default flags' to float rounding, not bit for bit, and every comparison in the suite is between
@@ -31,6 +34,8 @@ if os.environ.get("SSD_JAX_TEST_XLA_OPT", "0") != "1":
     TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     if _xla_knows("xla_cpu_use_fusion_emitters"):
         TEST_XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
+    if _xla_knows("xla_cpu_parallel_codegen_split_count"):
+        TEST_XLA_FLAGS += " --xla_cpu_parallel_codegen_split_count=1"
 os.environ.setdefault("SSD_JAX_TEST_XLA_FLAGS", TEST_XLA_FLAGS)
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}".strip())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
