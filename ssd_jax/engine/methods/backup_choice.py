@@ -39,11 +39,9 @@ class BackupChoice:
         """Whether the n-gram lookup may run (it keeps each row's history on the host)."""
         return "host" in self.kinds
 
-    def choose(self, live: np.ndarray, forced: str | None = None) -> str:
-        """The kind a round over the ``live`` slots looks up with (``forced``: a warm-up's)."""
-        if forced is not None:
-            kind = forced
-        elif len(self.kinds) == 1:  # one backup (auto on one device: the neural one)
+    def choose(self, live: np.ndarray) -> str:
+        """The kind a round over the ``live`` slots looks up with."""
+        if len(self.kinds) == 1:  # one backup (auto on one device: the neural one)
             kind = self.kinds[0]
         else:
             m, c = self.means, self.costs
@@ -51,7 +49,6 @@ class BackupChoice:
                 m["p_hit"], m["e_hit"], m["e_neural"], m["e_fast"], c["t_primary"], c["t_neural"], c["t_fast"]
             )
             kind = "neural" if int(live.sum()) < self.b_star else "host"
-        self.next = kind
         return kind
 
     def learn(self, live: np.ndarray, n_acc: np.ndarray, cur, nxt, batch: int) -> None:

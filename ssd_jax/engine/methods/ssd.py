@@ -115,10 +115,9 @@ class SSD(Method):
         then forget what those rounds recorded."""
         off, z = np.zeros(self.B, bool), None if self.switch is None else self.switch.zero
         if z is not None and set(self.buckets) <= set(z):  # AR rounds at every bucket (K auto offline where
-            self.ar_buckets, self._forced_ar = set(self.buckets), True  # nothing pays): only they compile
+            self.ar_buckets = set(self.buckets)  # nothing pays): only they compile
             for mode, w, b in ((m, w, b) for m in self.modes for w in windows for b in self.buckets):
-                self.read(self.dispatch(off, w, mode, b), off, off)
-            self._forced_ar = False
+                self.read(self._round("ar", off, w, mode, b), off, off)
             self.lagbook.caught_up()
         else:
             self._compile_ssd_rounds(windows, off)
@@ -131,15 +130,11 @@ class SSD(Method):
         for mode in self.modes:
             for w in windows:
                 for kind in self.backup.kinds:
-                    self._forced = kind
                     for b in self.buckets:
-                        self.read(self.dispatch(off, w, mode, b), off, off)
+                        self.read(self._round(kind, off, w, mode, b), off, off)
                         if self.switch is not None:  # its AR round and its return to speculation
-                            self._forced_ar = True
-                            self.read(self.dispatch(off, w, mode, b), off, off)
-                            self._forced_ar = False
+                            self.read(self._round("ar", off, w, mode, b), off, off)
                             self._catch_up(mode, b)
-        self._forced = None
         if self.switch is not None:
             self.lagbook.precompile(self.B)
             self._choose_buckets(windows)
@@ -151,12 +146,11 @@ class SSD(Method):
         off, mode, w = np.zeros(self.B, bool), self.modes[0], max(windows)
 
         def timed(ar: bool, b: int) -> float:
-            self._forced_ar, ts = ar, []
+            ts = []
             for _ in range(repeats):
                 a = time.perf_counter()
-                self.drain(self.dispatch(off, w, mode, b))
+                self.drain(self._round("ar" if ar else self.backup.choose(off), off, w, mode, b))
                 ts.append(time.perf_counter() - a)
-            self._forced_ar = False
             return float(np.median(ts))
 
         for b in self.buckets:
@@ -180,8 +174,6 @@ class SSD(Method):
             if self.switch is None
             else ssd_host.bucket_note(self.buckets, self.ar_buckets, self.bucket_costs, self.K)
         )
-
-    _forced_ar = False  # a warm-up or timing round: an AR round whatever the bucket
 
     def _catch_up(self, mode, bucket) -> None:
         """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag
@@ -356,20 +348,24 @@ class SSD(Method):
 
     # --- rounds
 
-    _forced = None  # the kind a warm-up round runs
     _open: SSDRound | None = None  # the split round whose lookup is still to run (see :class:`Lookup`)
 
     def queues_ahead(self) -> bool:
         return self.backup.next != "host"
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
+        ar = self.switch is not None and bucket in self.ar_buckets
+        return self._round("ar" if ar else self.backup.choose(live), live, window, mode, bucket)
+
+    def _round(self, kind: str, live, window, mode, bucket) -> SSDRound:
+        """A round of ``kind``: "ar" (the target alone) or SSD's with that lookup backup. :meth:`dispatch`
+        runs the bucket's and the backup choice's; the warm-up and the per-bucket timing name theirs."""
         self._finish_open()
-        if self.switch is not None:
-            if self._forced_ar or (self._forced is None and bucket in self.ar_buckets):
-                return self._ar_round(live, window, mode, bucket)
-            if self.lagbook.rounds:
-                self._catch_up(mode, bucket)
-        kind = self.backup.choose(live, self._forced)
+        if kind == "ar":
+            return self._ar_round(live, window, mode, bucket)
+        if self.switch is not None and self.lagbook.rounds:
+            self._catch_up(mode, bucket)
+        self.backup.next = kind
         ctrl = self.fanout.ctrl(live)
         rnd = SSDRound(kind, self.fanout.sched, None)
         active = self.active(live)
