@@ -26,13 +26,12 @@ from ssd_jax.engine.core import RoundOut
 from ssd_jax.engine.methods.base import Method, chunk_args
 from ssd_jax.engine.methods.backup_choice import BackupChoice
 from ssd_jax.engine.methods.fanout_tables import FanoutTables
-from ssd_jax.engine.methods.lag_book import LagBook
+from ssd_jax.engine.methods.ar_switch import ARSwitch
 from ssd_jax.engine.methods.stage_log import StageLog
 from ssd_jax.engine.methods.ssd_rounds import Lookup, SSDRound
 from ssd_jax.engine.methods.sd import device_metrics
 from ssd_jax.errors import UserError
 from ssd_jax.models import llama
-from ssd_jax.parallel import distributed as dist
 from ssd_jax.sampling.logprobs import host_logprobs
 
 
@@ -65,9 +64,8 @@ class SSD(Method):
         self.carry_q = any(not m.greedy for m in self.modes)  # sampling rows: speculations carry q
         self.calls = 0
         # K auto in a server: AR rounds (K = 0) at the buckets where SSD's round cannot pay
-        plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) else None
-        self.switch = plan if not self.profiled else None
-        self.k_rounds = {0: 0, K: 0}
+        plan = spec.k_plan if isinstance(spec.k_plan, BucketSwitch) and not self.profiled else None
+        self.switch = ARSwitch(plan, K, self.ar_buckets, self.bucket_costs)
 
     # --- set-up
 
@@ -104,25 +102,23 @@ class SSD(Method):
             self.model.cfg, self.draft.cfg, batch=B, k=K, budget=M, draft_devices=len(pl.draft_devices),
             context=0.75 * self.max_len, device=pl.draft_devices[0],
         )  # fmt: skip
-        if self.switch is not None:  # the tokens an idle draft misses in AR rounds, per row
-            self.lagbook = LagBook(B, self.put, first_extra=0)
-            self._dummy_catch = self.put(np.bool_(False))
+        self.switch.bind(B, self.put)  # the tokens an idle draft misses in AR rounds, per row
         self.prom = engine.metrics  # the server's Prometheus metrics, if any
 
     def compile_rounds(self, windows) -> None:
         """Run one round of every kind, mode and window over free slots (results ignored), so the rounds'
         programs, the tree's shardings and the moves between processes are compiled before any timing;
         then forget what those rounds recorded."""
-        off, z = np.zeros(self.B, bool), None if self.switch is None else self.switch.zero
-        if z is not None and set(self.buckets) <= set(z):  # AR rounds at every bucket (K auto offline where
-            self.ar_buckets = set(self.buckets)  # nothing pays): only they compile
+        off = np.zeros(self.B, bool)
+        if self.switch.everywhere(self.buckets):  # AR rounds at every bucket: only they compile
+            self.ar_buckets.update(self.buckets)
             for mode, w, b in ((m, w, b) for m in self.modes for w in windows for b in self.buckets):
                 self.read(self._round("ar", off, w, mode, b), off, off)
-            self.lagbook.caught_up()
+            self.switch.lagbook.caught_up()
         else:
             self._compile_ssd_rounds(windows, off)
         self.calls, self.spec_meta = 0, SpecMeta.empty(self.B)
-        self.k_rounds = {0: 0, self.K: 0}
+        self.switch.restart()
         self.stats = SSDStats(self.B)
         self.stages.restart()
 
@@ -132,17 +128,16 @@ class SSD(Method):
                 for kind in self.backup.kinds:
                     for b in self.buckets:
                         self.read(self._round(kind, off, w, mode, b), off, off)
-                        if self.switch is not None:  # its AR round and its return to speculation
+                        if self.switch.on:  # its AR round and its return to speculation
                             self.read(self._round("ar", off, w, mode, b), off, off)
                             self._catch_up(mode, b)
-        if self.switch is not None:
-            self.lagbook.precompile(self.B)
+        if self.switch.on:
+            self.switch.lagbook.precompile(self.B)
             self._choose_buckets(windows)
 
     def _choose_buckets(self, windows, repeats: int = 5) -> None:
-        """At each bucket: time the compiled SSD round and AR round (the median of ``repeats`` over free
-        slots, the widest window, the first mode) and keep AR rounds where SSD's does not pay
-        (:class:`~ssd_jax.planning.policy.BucketSwitch`)."""
+        """Time the compiled SSD round and AR round at each bucket (the median of ``repeats`` over free
+        slots, the widest window, the first mode) for the AR switch's choice."""
         off, mode, w = np.zeros(self.B, bool), self.modes[0], max(windows)
 
         def timed(ar: bool, b: int) -> float:
@@ -153,33 +148,22 @@ class SSD(Method):
                 ts.append(time.perf_counter() - a)
             return float(np.median(ts))
 
-        for b in self.buckets:
-            t_round, t_ar = timed(False, b), timed(True, b)
-            self.bucket_costs[b] = {
-                "t_round_s": t_round,
-                "t_ar_s": t_ar,
-                "expected_speedup": self.switch.tokens_per_round * t_ar / t_round,
-            }
-            if not self.switch.speculates(b, t_round, t_ar):
-                self.ar_buckets.add(b)
-        if dist.multi_process():  # every process takes process 0's choice (each timed its own share)
-            mask = dist.agree(sum(1 << i for i, b in enumerate(self.buckets) if b in self.ar_buckets))
-            self.ar_buckets = {b for i, b in enumerate(self.buckets) if mask >> i & 1}
+        self.switch.choose(self.buckets, timed)
         self._catch_up(mode, self.buckets[-1])
 
     def bucket_note(self) -> str:
-        """The start-up line's account of the AR buckets, e.g. "1: K=1 1.12x, 8: K=0 (AR, 0.71x)"."""
-        return (
-            ""
-            if self.switch is None
-            else ssd_host.bucket_note(self.buckets, self.ar_buckets, self.bucket_costs, self.K)
-        )
+        return self.switch.note(self.buckets)
+
+    @property
+    def k_rounds(self) -> dict[int, int]:
+        return self.switch.rounds
 
     def _catch_up(self, mode, bucket) -> None:
         """Back from AR rounds: the draft's cache caught up and a new speculation for the rows that lag
         (on two meshes what the target ran without the draft, its tokens and rows' state, crosses first)."""
         prog = self._progs(mode, bucket=bucket, admission=True)["catch_up"]
-        rows, lag, lag_n = self.rows, self.lagbook.lag, self.lagbook.n
+        lb = self.switch.lagbook
+        rows, lag, lag_n = self.rows, lb.lag, lb.n
         if not self.fused:
             (lag, lag_n, cur, prev, steps), _ = self.pl.to_draft(
                 (lag, lag_n, rows.cur, rows.prev, rows.steps)
@@ -189,17 +173,18 @@ class SSD(Method):
             self.draft.params, self.dcache, rows, self.sp, self.pm, lag, lag_n, self.fanout.ctrl(np.ones(self.B, bool)),
         )  # fmt: skip
         if self.fused:
-            self.lagbook.caught_up(lag_n)
+            lb.caught_up(lag_n)
             self.drows = self.rows
         else:  # (the target's copy of the counts: every row level again)
-            self.lagbook.admitted(np.ones(self.B, bool))
-            self.lagbook.caught_up()
+            lb.admitted(np.ones(self.B, bool))
+            lb.caught_up()
             self.sp_t = ssd_host.spec_to_target(self.sp, self.pl)
 
     def _ar_round(self, live, window, mode, bucket) -> SSDRound:
-        if self.lagbook.full():  # catch the draft up first
+        lb = self.switch.lagbook
+        if lb.full():  # catch the draft up first
             if self.idle:  # (no draft to catch up: the counts run past the buffer, which records no more)
-                self.lagbook.caught_up()
+                lb.caught_up()
             else:
                 self._catch_up(mode, bucket)
         prog = sd_lag.sd_lag_round_program(
@@ -207,10 +192,10 @@ class SSD(Method):
             self.bucket(bucket), with_prev=False,
         )  # fmt: skip
         out, self.tcache, (cur, prev, steps), _, lag, n = prog(
-            self.model.params, self.tcache, self.round_rows(mode), self._dummy_catch, self.active(live),
-            self.lagbook.lag, self.lagbook.n,
+            self.model.params, self.tcache, self.round_rows(mode), self.switch.no_catch, self.active(live),
+            lb.lag, lb.n,
         )  # fmt: skip
-        self.lagbook.recorded(lag, n)
+        lb.recorded(lag, n)
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         if self.fused:
             self.drows = self.rows
@@ -279,7 +264,7 @@ class SSD(Method):
     @property
     def idle(self) -> bool:
         """Every bucket runs AR rounds: the draft is never used (admission skips it)."""
-        return self.switch is not None and len(self.ar_buckets) == len(self.buckets)
+        return self.switch.idle(self.buckets)
 
     def compile_admission(self, chunks) -> None:
         """The target's prefill (:meth:`Method.compile_admission`), the draft's, and the admitted row's
@@ -335,8 +320,8 @@ class SSD(Method):
             self.rows = self.drows
         else:
             self.sp_t = ssd_host.spec_to_target(self.sp, pl)
-        if self.switch is not None:  # admitted rows start level with the target (their prompt prefilled)
-            self.lagbook.admitted(live)
+        if self.switch.on:  # admitted rows start level with the target (their prompt prefilled)
+            self.switch.lagbook.admitted(live)
         self.spec_meta.drafted(slots, self.K, post_miss=self.backup.first != "neural")
         first_h = pl.read(tok_all)
         if self.backup.uses_host:
@@ -354,7 +339,7 @@ class SSD(Method):
         return self.backup.next != "host"
 
     def dispatch(self, live, window, mode, bucket=None) -> SSDRound:
-        ar = self.switch is not None and bucket in self.ar_buckets
+        ar = self.switch.runs_ar(bucket)
         return self._round("ar" if ar else self.backup.choose(live), live, window, mode, bucket)
 
     def _round(self, kind: str, live, window, mode, bucket) -> SSDRound:
@@ -363,7 +348,7 @@ class SSD(Method):
         self._finish_open()
         if kind == "ar":
             return self._ar_round(live, window, mode, bucket)
-        if self.switch is not None and self.lagbook.rounds:
+        if self.switch.lagging():
             self._catch_up(mode, bucket)
         self.backup.next = kind
         ctrl = self.fanout.ctrl(live)
