@@ -254,7 +254,7 @@ class ARRounds(AR):
         d = self.spec.draft
         out = {
             "k": int(self.spec.k),
-            "draft": d if isinstance(d, str) else getattr(d, "name", None),
+            "draft": d if d is None or isinstance(d, str) else d.name,  # a name, or a LoadedModel
             "draft_s": None, "verify_s": None, "sample_s": None, "overhead_s": None,
             "calls_per_round": 1,
             "rounds_without_proposals": rounds,

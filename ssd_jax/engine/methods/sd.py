@@ -94,7 +94,7 @@ class SD(Method):
 
     def _build_program(self, w: int, mode, window, bucket):
         dcfg = self.draft.cfg if self.draft is not None else None
-        rand_vocab = getattr(self.drafter, "vocab", self.model.cfg.vocab_size)
+        rand_vocab = self.drafter.vocab if self.kind == "random" else self.model.cfg.vocab_size
         nf = mode.needs_filter and not mode.greedy
         return sd_round_program(
             self.model.cfg, dcfg, w, self.model.cfg.vocab_size, rand_vocab, nf, self.kind, mode.greedy,
