@@ -12,7 +12,6 @@ import numpy as np
 
 from ssd_jax.planning.policy import OnlineK
 from ssd_jax.compile import Compiled
-from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.sd import host_width, sd_round_program, sd_steps
 from ssd_jax.decoding.sd_two_mesh import sd_two_mesh_programs
 from ssd_jax.decoding.slots import Rows, draft_prefill_program
@@ -132,54 +131,36 @@ class SD(Method):
                 for w in windows:
                     for k in ks:
                         if k == 0 and self.lags:
-                            self._lag_program(mode, w, b).precompile(*self._lag_args(off, mode))
+                            lb, args = (
+                                self.lagbook,
+                                (self.tcache, self.round_rows(mode), self.catch, self.active(off)),
+                            )
+                            lb.ar_program(self.model.cfg, mode, self.window(w), self.bucket(b)).precompile(
+                                *lb.ar_args(self.model, *args)
+                            )
                             continue
                         z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
                         self._program(k, mode, w, b).precompile(*self._round_args(off, *z, mode))
             if self.lags and any(k > 0 for k in ks):  # the draft is caught up before a K > 0 round
-                self._flush_program(b).precompile(*self._flush_args())
+                lb = self.lagbook
+                lb.flush_program(self.draft.cfg, self.bucket(b)).precompile(
+                    self.draft.params, self.dcache, lb.lag, lb.n
+                )
         if self.lags:
             self.lagbook.precompile(self.B)
 
-    def _lag_program(self, mode, window, bucket):
-        nf = mode.needs_filter and not mode.greedy
-        return sd_lag.sd_lag_round_program(
-            self.model.cfg, nf, mode.greedy, self.window(window), self.bucket(bucket)
-        )
-
-    def _lag_args(self, live, mode):
-        lb = self.lagbook
-        return (
-            self.model.params,
-            self.tcache,
-            self.round_rows(mode),
-            self.catch,
-            self.active(live),
-            lb.lag,
-            lb.n,
-        )
-
-    def _flush_program(self, bucket):
-        return sd_lag.draft_flush_program(self.draft.cfg, sd_lag.LAG_MAX, None, self.bucket(bucket))
-
-    def _flush_args(self):
-        return self.draft.params, self.dcache, self.lagbook.lag, self.lagbook.n
-
     def _flush(self, bucket) -> None:
-        """The idle draft's cache level with the target's (queued on the device; the host does not wait)."""
-        prog = self._flush_program(bucket)
-        self.dcache, n = prog(*self._flush_args())
-        self.lagbook.caught_up(n)
+        self.dcache = self.lagbook.flush(self.draft, self.dcache, self.bucket(bucket))
 
     def _lag_round(self, live, window, mode, bucket) -> SDRound:
         """A K = 0 round: an AR step, the draft idle (its missed tokens recorded)."""
         if self.lagbook.full():  # catch the draft up first
             self._flush(bucket)
-        out, self.tcache, (cur, prev, steps), self.catch, lag, n = self._lag_program(mode, window, bucket)(
-            *self._lag_args(live, mode)
-        )
+        out, self.tcache, (cur, prev, steps), self.catch = self.lagbook.ar_round(
+            self.model, self.tcache, self.round_rows(mode), self.catch, self.active(live), mode,
+            self.window(window), self.bucket(bucket),
+        )  # fmt: skip
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
-        self.lagbook.recorded(lag, n)
         return SDRound(out, 0, None, live, 0)
 
     def compile_admission(self, chunks) -> None:

@@ -12,7 +12,6 @@ import time
 import jax
 import numpy as np
 
-from ssd_jax.decoding import sd_lag
 from ssd_jax.decoding.slots import Rows, draft_prefill_program
 from ssd_jax.decoding.ssd import host as ssd_host
 from ssd_jax.decoding.ssd.host import SpecMeta, SSDStats
@@ -187,15 +186,10 @@ class SSD(Method):
                 lb.caught_up()
             else:
                 self._catch_up(mode, bucket)
-        prog = sd_lag.sd_lag_round_program(
-            self.model.cfg, mode.needs_filter and not mode.greedy, mode.greedy, self.window(window),
-            self.bucket(bucket), with_prev=False,
+        out, self.tcache, (cur, prev, steps), _ = lb.ar_round(
+            self.model, self.tcache, self.round_rows(mode), self.switch.no_catch, self.active(live), mode,
+            self.window(window), self.bucket(bucket),
         )  # fmt: skip
-        out, self.tcache, (cur, prev, steps), _, lag, n = prog(
-            self.model.params, self.tcache, self.round_rows(mode), self.switch.no_catch, self.active(live),
-            lb.lag, lb.n,
-        )  # fmt: skip
-        lb.recorded(lag, n)
         self.rows = dataclasses.replace(self.rows, cur=cur, prev=prev, steps=steps)
         if self.fused:
             self.drows = self.rows
