@@ -69,9 +69,12 @@ class LagBook:
     def flush_program(self, draft_cfg, bucket) -> Compiled:
         return sd_lag.draft_flush_program(draft_cfg, sd_lag.LAG_MAX, None, bucket)
 
+    def flush_args(self, draft, dcache) -> tuple:
+        return draft.params, dcache, self.lag, self.n
+
     def flush(self, draft, dcache, bucket):
         """SD's draft caught up: the recorded tokens through ``draft``'s cache (queued on the device; the host
         does not wait). Returns the new cache."""
-        dcache, n = self.flush_program(draft.cfg, bucket)(draft.params, dcache, self.lag, self.n)
+        dcache, n = self.flush_program(draft.cfg, bucket)(*self.flush_args(draft, dcache))
         self.caught_up(n)
         return dcache

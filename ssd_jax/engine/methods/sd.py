@@ -131,12 +131,12 @@ class SD(Method):
                 for w in windows:
                     for k in ks:
                         if k == 0 and self.lags:
-                            lb, args = (
-                                self.lagbook,
-                                (self.tcache, self.round_rows(mode), self.catch, self.active(off)),
+                            lb = self.lagbook
+                            args = lb.ar_args(
+                                self.model, self.tcache, self.round_rows(mode), self.catch, self.active(off)
                             )
                             lb.ar_program(self.model.cfg, mode, self.window(w), self.bucket(b)).precompile(
-                                *lb.ar_args(self.model, *args)
+                                *args
                             )
                             continue
                         z = (np.zeros((self.B, k), np.int32), np.zeros(self.B, np.int32))
@@ -144,7 +144,7 @@ class SD(Method):
             if self.lags and any(k > 0 for k in ks):  # the draft is caught up before a K > 0 round
                 lb = self.lagbook
                 lb.flush_program(self.draft.cfg, self.bucket(b)).precompile(
-                    self.draft.params, self.dcache, lb.lag, lb.n
+                    *lb.flush_args(self.draft, self.dcache)
                 )
         if self.lags:
             self.lagbook.precompile(self.B)
